@@ -1,0 +1,34 @@
+# Two commands for a newcomer: `make demo` and `make test` (see README.md).
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+DATA   ?= data/stdlib
+RUN    ?= runs/demo
+STDLIB  = $(shell $(PYTHON) -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')
+
+.PHONY: setup demo data train sample test bench clean-demo
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: requirements.txt requirements-dev.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -r requirements-dev.txt
+	touch $@
+
+# Prepare the local Python standard library as a corpus, train the demo model with the XLA
+# trainer on the CPU (PJRT), print the validation loss and samples.
+demo: setup
+	@if [ -f $(DATA)/meta.json ]; then echo "$(DATA) exists: reusing it"; else \
+	  $(BIN)/python prepare_data.py --input $(STDLIB) --glob '*.py' --vocab-size 2048 --out $(DATA); fi
+	PJRT_DEVICE=CPU $(BIN)/python train_xla.py configs/demo.yaml data.dir=$(DATA) checkpoint.dir=$(RUN)
+	$(BIN)/python sample.py $(RUN) --prompt 'def ' --max-new-tokens 120 --num-samples 3
+
+test: setup
+	$(BIN)/python -m pytest
+
+bench: setup
+	$(BIN)/python bench/run.py
+
+clean-demo:
+	rm -rf $(DATA) $(RUN)
