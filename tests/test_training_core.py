@@ -1,0 +1,321 @@
+"""The shared training core, piece by piece: schedule, config, data order, optimisers, checkpoints."""
+import math
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from training.checkpoint import (FORMAT_VERSION, CheckpointError, atomic_torch_save, checkpoint_path,
+                                 find_resume, list_checkpoints, load_checkpoint, rotate)
+from training.config import ConfigError, check_data, load_config, schema_markdown
+from training.data import DataStream, ResumableSampler, TokenWindows
+from training.optim import AdamW, Muon, build_optimizer, lr_at, set_lr
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# -- schedule --------------------------------------------------------------------------------
+
+@given(peak=st.floats(1e-5, 1.0), warmup=st.integers(0, 50), extra=st.integers(1, 500),
+       ratio=st.floats(0.0, 1.0))
+def test_schedule_warmup_then_cosine(peak, warmup, extra, ratio):
+    total = warmup + extra
+    lrs = [lr_at(s, total, peak, warmup, ratio) for s in range(total + 1)]
+    assert all(lr > 0 or (ratio == 0 and s >= total) for s, lr in enumerate(lrs))
+    for s in range(warmup):  # linear warmup, strictly increasing, reaching the peak
+        assert lrs[s] == pytest.approx(peak * (s + 1) / warmup)
+    if warmup:
+        assert lrs[warmup - 1] == pytest.approx(peak)
+    decay = lrs[warmup:]
+    assert decay[0] == pytest.approx(peak)
+    assert all(a >= b - 1e-12 for a, b in zip(decay, decay[1:]))  # non-increasing
+    assert lrs[total] == pytest.approx(ratio * peak, abs=1e-12)
+    assert min(lrs[warmup:]) >= ratio * peak - 1e-12
+
+
+# -- config ----------------------------------------------------------------------------------
+
+def write(tmp_path, text, name="c.yaml"):
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def test_config_unknown_key_suggests_closest(tmp_path):
+    p = write(tmp_path, "training:\n  lerning_rate: 0.1\n  max_steps: 3\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(p)
+    msg = str(e.value)
+    assert "training.lerning_rate" in msg and "training.learning_rate" in msg and "\n" not in msg
+
+
+def test_config_unknown_section(tmp_path):
+    with pytest.raises(ConfigError, match="unknown key 'trainig'.*'training'"):
+        load_config(write(tmp_path, "trainig: {}\n"))
+
+
+@pytest.mark.parametrize("text, match", [
+    ("training: {max_steps: 3, batch_size: 'big'}", "training.batch_size: expected an integer"),
+    ("training: {max_steps: 3, batch_size: 0}", "training.batch_size=0"),
+    ("training: {max_steps: 3, precision: fp16}", "training.precision: 'fp16' is not one of"),
+    ("training: {max_steps: 3, betas: [0.9]}", "training.betas"),
+    ("training: {max_steps: 3, compile: 'yes'}", "training.compile: expected true or false"),
+    ("training: {max_steps: 3}\ndata: {seq_len: 4096}", "data.seq_len=4096 is above model.max_seq_len"),
+    ("training: {}", "exactly one of training.max_steps and training.total_tokens"),
+    ("training: {max_steps: 3}\nmodel: {d_model: 100, n_heads: 3}", "model.d_model"),
+])
+def test_config_bad_values_name_the_key(tmp_path, text, match):
+    with pytest.raises(ConfigError, match=match) as e:
+        load_config(write(tmp_path, text))
+    assert "\n" not in str(e.value)
+
+
+def test_config_overrides_are_typed(tmp_path):
+    p = write(tmp_path, "training: {max_steps: 3}\n")
+    cfg = load_config(p, ["training.learning_rate=1e-3", "training.betas=[0.8,0.9]",
+                          "logging.wandb.enabled=true", "training.max_steps=7", "data.dir=/x"])
+    assert cfg.training.learning_rate == 1e-3 and cfg.training.betas == (0.8, 0.9)
+    assert cfg.logging.wandb.enabled is True and cfg.training.max_steps == 7 and cfg.data.dir == "/x"
+    with pytest.raises(ConfigError, match="training.max_steps: expected an integer"):
+        load_config(p, ["training.max_steps=many"])
+    with pytest.raises(ConfigError, match="unknown key 'training.max_stpes'"):
+        load_config(p, ["training.max_stpes=1"])
+
+
+def test_total_tokens_gives_steps(tmp_path):
+    cfg = load_config(write(tmp_path, "training: {total_tokens: 1000000, batch_size: 4, "
+                                      "gradient_accumulation_steps: 2}\ndata: {seq_len: 128}\n"))
+    assert cfg.resolve_steps(replicas=2) == 1000000 // (4 * 2 * 2 * 128)
+
+
+def test_config_data_checks(tmp_path, stdlib_data):
+    p = write(tmp_path, f"training: {{max_steps: 3}}\ndata: {{dir: {tmp_path / 'nope'}}}\n")
+    with pytest.raises(ConfigError, match="data.dir: .*nope does not exist"):
+        check_data(load_config(p))
+    cfg = load_config(p, [f"data.dir={stdlib_data}", "model.vocab_size=100"])
+    with pytest.raises(ConfigError, match="model.vocab_size=100 is smaller than the data's vocabulary"):
+        check_data(cfg)
+
+
+def test_cli_config_error_is_one_line(tmp_path):
+    p = write(tmp_path, "training:\n  max_steps: 3\n  batch_sise: 2\n")
+    r = subprocess.run([sys.executable, "train.py", str(p)], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "training.batch_sise" in lines[0] and "training.batch_size" in lines[0]
+
+
+def test_readme_config_reference_is_current():
+    readme = (ROOT / "README.md").read_text()
+    assert schema_markdown() in readme, "README config reference is stale: run `python -m training.docs`"
+
+
+# -- data order ------------------------------------------------------------------------------
+
+class Range(torch.utils.data.Dataset):
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return torch.tensor([i]), torch.tensor([i])
+
+
+def ids(batch):
+    return batch[0][:, 0].tolist()
+
+
+@given(n=st.integers(8, 200), b=st.integers(1, 4), seed=st.integers(0, 100))
+@settings(max_examples=25, deadline=None)
+def test_two_replicas_see_the_global_batch_of_one(n, b, seed):
+    one = DataStream(Range(n), 2 * b, 1, 0, seed)
+    r0, r1 = (DataStream(Range(n), b, 2, r, seed) for r in (0, 1))
+    for _ in range(2 * one.batches_per_epoch + 1):  # across an epoch boundary
+        assert sorted(ids(next(one))) == sorted(ids(next(r0)) + ids(next(r1)))
+
+
+@given(n=st.integers(10, 120), b=st.integers(1, 5), k=st.integers(0, 60), seed=st.integers(0, 9),
+       replicas=st.sampled_from([1, 2]))
+@settings(max_examples=30, deadline=None)
+def test_stream_resumes_at_the_exact_sample(n, b, k, seed, replicas):
+    """Stop after k batches, resume from the recorded position: the same batches follow."""
+    ref = [DataStream(Range(n), b, replicas, r, seed) for r in range(replicas)]
+    if n // replicas * replicas < b * replicas:
+        return
+    for _ in range(k):
+        for s in ref:
+            next(s)
+    pos = ref[0].advance(0, 0, k)
+    assert pos == (ref[0].epoch, ref[0].offset) or ref[0].remaining(ref[0].offset) == 0
+    resumed = [DataStream(Range(n), b, replicas, r, seed) for r in range(replicas)]
+    for s in resumed:
+        s.set_position(*pos)
+    for _ in range(7):
+        for a, c in zip(ref, resumed):
+            assert ids(next(a)) == ids(next(c))
+
+
+def test_resume_on_another_replica_count():
+    """A position written by 2 replicas resumes on 1 at the same global sample."""
+    n, b, seed = 64, 4, 3
+    two = [DataStream(Range(n), b, 2, r, seed) for r in (0, 1)]
+    for _ in range(3):
+        for s in two:
+            next(s)
+    pos = two[0].advance(0, 0, 3)
+    nxt = sorted(ids(next(two[0])) + ids(next(two[1])))
+    one = DataStream(Range(n), 2 * b, 1, 0, seed)
+    one.set_position(*pos)
+    assert sorted(ids(next(one))) == nxt
+
+
+def test_sampler_epochs_are_seeded_permutations():
+    s = ResumableSampler(Range(50), 1, 0, seed=5)
+    s.set_position(0, 0)
+    e0 = list(s)
+    s.set_position(1, 0)
+    e1 = list(s)
+    assert sorted(e0) == sorted(e1) == list(range(50)) and e0 != e1
+
+
+def test_token_windows_match_shards(stdlib_data):
+    ds = TokenWindows(stdlib_data, "train", 64)
+    x, y = ds[len(ds) - 1]
+    assert x.shape == y.shape == (64,) and torch.equal(x[1:], y[:-1])
+    assert int(x.max()) < ds.vocab_size
+
+
+# -- optimisers ------------------------------------------------------------------------------
+
+def _params(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(6, 5, generator=g)), torch.nn.Parameter(torch.randn(5, generator=g))]
+
+
+def _grads(ps, step):
+    g = torch.Generator().manual_seed(100 + step)
+    for p in ps:
+        p.grad = torch.randn(p.shape, generator=g)
+
+
+def test_adamw_matches_torch_and_shares_its_state_layout():
+    a, b = _params(), _params()
+    ours = AdamW([{"params": a[:1], "weight_decay": 0.1}, {"params": a[1:], "weight_decay": 0.0}],
+                 lr=1e-2, betas=(0.9, 0.95))
+    ref = torch.optim.AdamW([{"params": b[:1], "weight_decay": 0.1}, {"params": b[1:], "weight_decay": 0.0}],
+                            lr=1e-2, betas=(0.9, 0.95), fused=True)
+    for step in range(5):
+        _grads(a, step), _grads(b, step)
+        ours.step(), ref.step()
+    for p, q in zip(a, b):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    # state dicts load across implementations and continue identically
+    ours2 = AdamW([{"params": b[:1], "weight_decay": 0.1}, {"params": b[1:], "weight_decay": 0.0}],
+                  lr=1e-2, betas=(0.9, 0.95))
+    ours2.load_state_dict(ref.state_dict())
+    _grads(a, 9), _grads(b, 9)
+    ours.step(), ours2.step()
+    for p, q in zip(a, b):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("make", [
+    lambda ps: AdamW(ps, lr=1e-2, weight_decay=0.1),
+    lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, fused=True),
+    lambda ps: Muon([{"params": ps[:1], "use_muon": True}, {"params": ps[1:], "use_muon": False}],
+                    lr=1e-2, weight_decay=0.1),
+])
+def test_found_inf_skips_the_update_and_the_state(make):
+    ps = _params()
+    opt = make(ps)
+    _grads(ps, 0)
+    opt.step()
+    before = [p.detach().clone() for p in ps]
+    state_before = {k: v.clone() if torch.is_tensor(v) else v
+                    for s in opt.state.values() for k, v in s.items()}
+    for p in ps:
+        p.grad = torch.full_like(p, float("nan"))
+    opt.found_inf = torch.ones(())
+    opt.step()
+    for p, q in zip(ps, before):
+        assert torch.equal(p, q)
+    state_after = {k: v for s in opt.state.values() for k, v in s.items()}
+    for k, v in state_before.items():
+        if torch.is_tensor(v):
+            assert torch.equal(state_after[k], v), k
+    opt.found_inf = torch.zeros(())
+    _grads(ps, 1)
+    opt.step()
+    assert all(torch.isfinite(p).all() for p in ps) and not torch.equal(ps[0], before[0])
+
+
+def test_muon_update_is_orthogonalised():
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.zeros(16, 8))
+    opt = Muon([{"params": [p], "use_muon": True}], lr=1.0, momentum=0.0)
+    p.grad = torch.randn(16, 8)
+    opt.step()
+    sv = torch.linalg.svdvals(-p.detach() / math.sqrt(16 / 8))
+    assert sv.min() > 0.5 and sv.max() < 1.5  # Newton-Schulz pushes singular values towards 1
+
+
+def test_param_groups_exclude_norms_embeddings_and_gates():
+    from model import ModelConfig, NashMHC
+    m = NashMHC(ModelConfig())
+    cfg = load_config(None, ["training.max_steps=1"]).training
+    opt = build_optimizer(m, cfg)
+    decay, no_decay = opt.param_groups
+    assert decay["weight_decay"] > 0 and no_decay["weight_decay"] == 0
+    assert all(p.ndim == 2 for p in decay["params"])
+    assert any(p is m.tok_emb.weight for p in no_decay["params"])
+    n_all = len({id(p) for p in m.parameters()})
+    assert len(decay["params"]) + len(no_decay["params"]) == n_all
+    set_lr(opt, 0.5)
+    assert decay["lr"] == pytest.approx(cfg.learning_rate * 0.5)
+
+
+# -- checkpoints -----------------------------------------------------------------------------
+
+def _ckpt(step):
+    return {"format_version": FORMAT_VERSION, "model": {"w": torch.full((2,), float(step))}, "step": step}
+
+
+def test_rotation_keeps_the_newest(tmp_path):
+    for s in (10, 20, 30, 40):
+        atomic_torch_save(_ckpt(s), checkpoint_path(tmp_path, s))
+        rotate(tmp_path, keep=2)
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [30, 40]
+    assert not list(tmp_path.glob(".*tmp*"))
+
+
+def test_corrupt_newest_falls_back_to_previous(tmp_path):
+    atomic_torch_save(_ckpt(10), checkpoint_path(tmp_path, 10))
+    atomic_torch_save(_ckpt(20), checkpoint_path(tmp_path, 20))
+    p = checkpoint_path(tmp_path, 20)
+    p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])  # truncated
+    warnings = []
+    path, ckpt = find_resume(tmp_path, warn=warnings.append)
+    assert path == checkpoint_path(tmp_path, 10) and ckpt["step"] == 10
+    assert len(warnings) == 1 and "ckpt_00000020.pt" in warnings[0]
+
+
+class Evil:
+    def __reduce__(self):
+        return (os.system, ("echo pwned",))
+
+
+def test_checkpoint_with_pickled_code_is_refused(tmp_path):
+    p = checkpoint_path(tmp_path, 1)
+    torch.save({"format_version": 1, "model": {}, "payload": Evil()}, p)
+    with pytest.raises(CheckpointError, match="not a loadable checkpoint"):
+        load_checkpoint(p)

@@ -1,0 +1,27 @@
+"""Train a Nash-MHC transformer on one CUDA/MPS/CPU device, or with DDP under torchrun.
+
+    python train.py configs/demo.yaml [section.key=value ...]
+    torchrun --nproc_per_node=8 train.py configs/small_gpu.yaml
+
+The XLA twin is train_xla.py: the same config, data, loop and checkpoints (see training/).
+"""
+import sys
+
+from training.backend import TorchBackend
+from training.loop import main, train
+
+
+def run(cfg) -> int:
+    try:
+        backend = TorchBackend(cfg.training.device)
+    except ValueError as e:
+        print(f"train.py: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        return train(cfg, backend)
+    finally:
+        backend.shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:], run, "train.py"))

@@ -1,0 +1,420 @@
+"""The run configuration: one strict schema shared by train.py and train_xla.py.
+
+A YAML file has the sections below; every key is optional and defaults to the value given here.
+``python train.py CONFIG section.key=value ...`` overrides any key, typed as the schema says.
+Unknown keys, wrong types and impossible values raise ``ConfigError`` with one line that names the
+key (and, for a misspelt key, the closest valid one); the entry points print it and exit 2.
+
+The ``model`` section is ``model.ModelConfig`` itself, so the model owns its own fields and checks.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+
+from model import ModelConfig
+
+
+class ConfigError(ValueError):
+    """A bad configuration: the message is one line naming the key or file."""
+
+
+def _help(text: str, **kw) -> Any:
+    return field(metadata={"help": text}, **kw)
+
+
+@dataclass
+class DataConfig:
+    dir: str = _help("directory written by prepare_data.py (meta.json, train_*.npy, val_*.npy)",
+                     default="data/stdlib")
+    seq_len: int = _help("tokens per training sample (a window of seq_len + 1 tokens gives inputs and "
+                         "targets); at most model.max_seq_len", default=256)
+    num_workers: int = _help("DataLoader worker processes per trainer process", default=1)
+
+
+@dataclass
+class TrainingConfig:
+    batch_size: int = _help("samples per device per micro-step (global in xla.mode=spmd)", default=16)
+    gradient_accumulation_steps: int = _help("micro-steps per optimiser step", default=1)
+    max_steps: Optional[int] = _help("optimiser steps to run; give this or total_tokens", default=None)
+    total_tokens: Optional[int] = _help(
+        "token budget: steps = total_tokens / (batch_size x replicas x accumulation x seq_len)",
+        default=None)
+    learning_rate: float = _help("peak learning rate", default=3e-3)
+    min_lr_ratio: float = _help("cosine decay ends at min_lr_ratio x learning_rate", default=0.1)
+    warmup_steps: int = _help("linear warmup steps", default=100)
+    weight_decay: float = _help("decoupled weight decay on matrices (not on norms, biases, "
+                                "embeddings, mHC gates/biases)", default=0.1)
+    betas: tuple[float, float] = _help("Adam betas", default=(0.9, 0.95))
+    eps: float = _help("Adam epsilon", default=1e-8)
+    grad_clip: float = _help("clip the global gradient norm to this (0 disables)", default=1.0)
+    optimizer: Literal["adamw", "muon"] = _help(
+        "adamw, or muon (Newton-Schulz orthogonalised momentum on 2-D hidden matrices, AdamW for the "
+        "rest)", default="adamw")
+    muon_lr: float = _help("learning rate of the Muon matrices (optimizer=muon)", default=0.02)
+    muon_momentum: float = _help("Muon momentum (Nesterov)", default=0.95)
+    precision: Literal["bf16", "fp32"] = _help(
+        "bf16 autocast (fp32 master weights), or fp32; bf16 falls back to fp32 with a warning where "
+        "unsupported", default="bf16")
+    seed: int = _help("seed for initialisation, data order and dropout", default=1337)
+    compile: bool = _help("torch.compile the model (train.py on CUDA)", default=False)
+    device: str = _help("train.py: auto (cuda, then mps, then cpu), cuda, cuda:N, mps or cpu",
+                        default="auto")
+    max_nonfinite_steps: int = _help(
+        "stop (saving the last good state) after this many NaN/Inf steps in a row; each such step "
+        "skips its update", default=5)
+
+
+@dataclass
+class EvaluationConfig:
+    interval: int = _help("evaluate every this many steps (0: only at the end)", default=200)
+    steps: int = _help("validation batches per evaluation", default=20)
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str = _help("run directory: checkpoints, metrics.jsonl, TensorBoard events", default="runs/demo")
+    interval: int = _help("save every this many steps (0: only at the end and on SIGTERM)", default=500)
+    keep: int = _help("complete checkpoints kept (oldest deleted first)", default=3)
+    resume: str = _help("auto (newest complete checkpoint in dir, if any), none, or a checkpoint path",
+                        default="auto")
+
+
+@dataclass
+class WandbConfig:
+    enabled: bool = _help("log to Weights & Biases (never required)", default=False)
+    project: str = _help("W&B project", default="nash-mhc")
+    entity: Optional[str] = _help("W&B entity (team or user)", default=None)
+    run_name: Optional[str] = _help("W&B run name (default: the run directory's name)", default=None)
+    mode: Literal["online", "offline", "disabled"] = _help(
+        "W&B mode; offline needs no account", default="offline")
+
+
+@dataclass
+class LoggingConfig:
+    interval: int = _help("log (and sync with the device) every this many steps", default=10)
+    tensorboard: bool = _help("write TensorBoard event files to checkpoint.dir/tb", default=True)
+    progress_bar: bool = _help("tqdm progress bar on the master process", default=True)
+    peak_flops: Optional[float] = _help(
+        "peak FLOP/s of one device for MFU (default: looked up for known GPUs/TPUs)", default=None)
+    wandb: WandbConfig = field(default_factory=WandbConfig, metadata={"help": "Weights & Biases"})
+
+
+@dataclass
+class MeshConfig:
+    data: int = _help("data-parallel axis size", default=1)
+    fsdp: int = _help("FSDP axis size (parameters and optimiser state sharded)", default=1)
+    tp: int = _help("tensor-parallel axis size (attention heads, FFN hidden units)", default=1)
+
+
+@dataclass
+class XLAConfig:
+    mode: Literal["ddp", "spmd"] = _help(
+        "ddp: one process per core (xmp.spawn); spmd: one process, a data/fsdp/tp device mesh",
+        default="ddp")
+    mesh: MeshConfig = field(default_factory=MeshConfig,
+                             metadata={"help": "SPMD mesh; data x fsdp x tp must equal the device count"})
+    compile_cache: Optional[str] = _help(
+        "persistent XLA compilation cache directory (one subdirectory per process); empty disables",
+        default="~/.cache/nash_mhc/xla")
+    nprocs: Optional[int] = _help("xmp.spawn processes (None: one per core/chip)", default=None)
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig, metadata={"help": "model.ModelConfig"})
+    data: DataConfig = field(default_factory=DataConfig, metadata={"help": "data"})
+    training: TrainingConfig = field(default_factory=TrainingConfig, metadata={"help": "training"})
+    evaluation: EvaluationConfig = field(default_factory=EvaluationConfig, metadata={"help": "evaluation"})
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig, metadata={"help": "checkpoints"})
+    logging: LoggingConfig = field(default_factory=LoggingConfig, metadata={"help": "logging"})
+    xla: XLAConfig = field(default_factory=XLAConfig, metadata={"help": "train_xla.py"})
+
+    def to_dict(self) -> dict:
+        return _to_plain(self)
+
+    # -- derived quantities -------------------------------------------------------------------
+    def tokens_per_step(self, replicas: int) -> int:
+        """Tokens consumed by one optimiser step over all replicas."""
+        t = self.training
+        return t.batch_size * replicas * t.gradient_accumulation_steps * self.data.seq_len
+
+    def resolve_steps(self, replicas: int) -> int:
+        """max_steps, or total_tokens divided by the tokens of one step (at least 1)."""
+        t = self.training
+        if t.max_steps is not None:
+            return t.max_steps
+        return max(1, t.total_tokens // self.tokens_per_step(replicas))
+
+
+# ----------------------------------------------------------------------------------------------
+# Building dataclasses from plain data, strictly.
+
+def _to_plain(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj):
+        return {f.name: _to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, tuple):
+        return [_to_plain(v) for v in obj]
+    return obj
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is tuple:
+        return "[" + ", ".join(_type_name(a) for a in typing.get_args(tp)) + "]"
+    if tp is type(None):
+        return "null"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check ``value`` against the annotation ``tp``; return it in the schema's type."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(value, a, key)
+            except ConfigError:
+                pass
+        raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            hint = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+            extra = f" (did you mean {hint[0]!r}?)" if hint else ""
+            raise ConfigError(f"{key}: {value!r} is not one of {', '.join(map(repr, choices))}{extra}")
+        return value
+    if origin is tuple:
+        args = typing.get_args(tp)
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise ConfigError(f"{key}: expected a list of {len(args)} values {_type_name(tp)}, got {value!r}")
+        return tuple(_coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+    if dataclasses.is_dataclass(tp):
+        return build(tp, value, key)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer() and abs(value) < 2**63:
+            return int(value)  # 1e9 in YAML is a float
+        raise ConfigError(f"{key}: expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not math.isfinite(float(value)):
+                raise ConfigError(f"{key}: expected a finite number, got {value!r}")
+            return float(value)
+        if isinstance(value, str):  # YAML reads 3e-4 (no dot) as a string
+            try:
+                return _coerce(float(value), float, key)
+            except ValueError:
+                pass
+        raise ConfigError(f"{key}: expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{key}: expected a string, got {value!r}")
+    raise TypeError(f"unsupported schema type {tp!r} for {key}")
+
+
+def build(cls: type, data: Any, prefix: str = "") -> Any:
+    """Build dataclass ``cls`` from a mapping, rejecting unknown keys and wrong types."""
+    where = prefix or "config"
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping of keys, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    kwargs = {}
+    for key, value in data.items():
+        full = f"{prefix}.{key}" if prefix else str(key)
+        if key not in fields:
+            hint = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.6)
+            extra = f" (did you mean '{prefix + '.' if prefix else ''}{hint[0]}'?)" if hint else ""
+            valid = "" if hint else f"; valid keys: {', '.join(fields)}"
+            raise ConfigError(f"unknown key '{full}'{extra}{valid}")
+        kwargs[key] = _coerce(value, hints[key], full)
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as e:  # __post_init__ checks (ModelConfig names its field)
+        raise ConfigError(f"{where}.{e}" if prefix else str(e)) from None
+
+
+def _set_path(tree: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for p in parts[:-1]:
+        nxt = node.get(p)
+        if nxt is None:
+            nxt = node[p] = {}
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"override {dotted}: '{p}' is not a section")
+        node = nxt
+    node[parts[-1]] = value
+
+
+def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
+    out = []
+    for item in overrides:
+        if "=" not in item or item.startswith("="):
+            raise ConfigError(f"override {item!r}: expected section.key=value")
+        key, raw = item.split("=", 1)
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            value = raw
+        out.append((key.strip(), value))
+    return out
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
+    """Read a YAML config, apply ``section.key=value`` overrides, and check it (not the data)."""
+    tree: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"{path}: config file not found")
+        try:
+            tree = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" line {mark.line + 1}" if mark else ""
+            raise ConfigError(f"{path}:{where} invalid YAML ({getattr(e, 'problem', e)})") from None
+        if not isinstance(tree, dict):
+            raise ConfigError(f"{path}: expected a mapping of sections at the top level")
+    for key, value in parse_overrides(list(overrides)):
+        _set_path(tree, key, value)
+    try:
+        cfg = build(Config, tree)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}" if path is not None else str(e)) from None
+    check(cfg, path)
+    return cfg
+
+
+def config_from_dict(tree: dict) -> Config:
+    """Rebuild a resolved config (e.g. the one stored in a checkpoint)."""
+    return build(Config, tree)
+
+
+def check(cfg: Config, path: Any = None) -> None:
+    """Cross-field checks that need no data."""
+    t, d = cfg.training, cfg.data
+    src = f"{path}: " if path is not None else ""
+
+    def bad(msg: str) -> None:
+        raise ConfigError(src + msg)
+
+    if d.seq_len < 1:
+        bad(f"data.seq_len={d.seq_len} must be positive")
+    if d.seq_len > cfg.model.max_seq_len:
+        bad(f"data.seq_len={d.seq_len} is above model.max_seq_len={cfg.model.max_seq_len}")
+    if d.num_workers < 0:
+        bad(f"data.num_workers={d.num_workers} must be >= 0")
+    if t.batch_size < 1:
+        bad(f"training.batch_size={t.batch_size} must be at least 1")
+    if t.gradient_accumulation_steps < 1:
+        bad(f"training.gradient_accumulation_steps={t.gradient_accumulation_steps} must be at least 1")
+    if (t.max_steps is None) == (t.total_tokens is None):
+        bad("give exactly one of training.max_steps and training.total_tokens")
+    if t.max_steps is not None and t.max_steps < 1:
+        bad(f"training.max_steps={t.max_steps} must be at least 1")
+    if t.total_tokens is not None and t.total_tokens < 1:
+        bad(f"training.total_tokens={t.total_tokens} must be at least 1")
+    if t.learning_rate <= 0:
+        bad(f"training.learning_rate={t.learning_rate} must be positive")
+    if not 0 <= t.min_lr_ratio <= 1:
+        bad(f"training.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
+    if t.warmup_steps < 0:
+        bad(f"training.warmup_steps={t.warmup_steps} must be >= 0")
+    if t.weight_decay < 0:
+        bad(f"training.weight_decay={t.weight_decay} must be >= 0")
+    if not all(0 <= b < 1 for b in t.betas):
+        bad(f"training.betas={list(t.betas)} must be in [0, 1)")
+    if t.grad_clip < 0:
+        bad(f"training.grad_clip={t.grad_clip} must be >= 0")
+    if t.max_nonfinite_steps < 1:
+        bad(f"training.max_nonfinite_steps={t.max_nonfinite_steps} must be at least 1")
+    if cfg.evaluation.interval < 0 or cfg.evaluation.steps < 1:
+        bad("evaluation.interval must be >= 0 and evaluation.steps >= 1")
+    if cfg.checkpoint.interval < 0:
+        bad(f"checkpoint.interval={cfg.checkpoint.interval} must be >= 0")
+    if cfg.checkpoint.keep < 1:
+        bad(f"checkpoint.keep={cfg.checkpoint.keep} must be at least 1")
+    if cfg.logging.interval < 1:
+        bad(f"logging.interval={cfg.logging.interval} must be at least 1")
+    m = cfg.xla.mesh
+    if min(m.data, m.fsdp, m.tp) < 1:
+        bad("xla.mesh axes must be at least 1")
+
+
+def check_data(cfg: Config) -> dict:
+    """Check the data directory against the config before any work; return its meta.json."""
+    d = Path(cfg.data.dir).expanduser()
+    meta_path = d / "meta.json"
+    if not d.is_dir():
+        raise ConfigError(f"data.dir: {d} does not exist (run prepare_data.py first)")
+    if not meta_path.is_file():
+        raise ConfigError(f"data.dir: {meta_path} not found (is {d} a prepare_data.py output?)")
+    try:
+        meta = json.loads(meta_path.read_text())
+        vocab = int(meta["vocab_size"])
+        splits = meta["splits"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"{meta_path}: unreadable meta.json ({e})") from None
+    if vocab > cfg.model.vocab_size:
+        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the data's "
+                          f"vocabulary ({vocab} in {meta_path})")
+    for split in ("train", "val"):
+        if split not in splits or not splits[split].get("shards"):
+            raise ConfigError(f"{meta_path}: no '{split}' shards")
+    return meta
+
+
+def schema_markdown() -> str:
+    """The configuration reference (README), generated from the dataclasses above."""
+    lines = ["| key | default | meaning |", "| --- | --- | --- |"]
+
+    def walk(cls: type, prefix: str) -> None:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            key = f"{prefix}{f.name}"
+            tp = hints[f.name]
+            if dataclasses.is_dataclass(tp):
+                walk(tp, key + ".")
+                continue
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            default = json.dumps(_to_plain(default))
+            meaning = f.metadata.get("help", "")
+            choices = ""
+            if typing.get_origin(tp) is Literal:
+                choices = " (" + " \\| ".join(str(a) for a in typing.get_args(tp)) + ")"
+            lines.append(f"| `{key}` | `{default}` | {meaning}{choices} |")
+
+    walk(Config, "")
+    return "\n".join(lines) + "\n"

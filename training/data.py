@@ -1,0 +1,165 @@
+"""Token data: memory-mapped shards from prepare_data.py, windows of seq_len + 1 tokens, and a
+seeded per-epoch order that can resume at the exact sample on any number of replicas."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+
+class TokenWindows(Dataset):
+    """Non-overlapping windows of ``seq_len + 1`` tokens over every shard of one split.
+
+    Sample ``i`` is ``(x, y)`` with ``y`` the tokens of ``x`` shifted by one. Windows do not cross
+    shard boundaries; the tail of a shard shorter than a window is not used. Shards stay memory
+    mapped: nothing is read until a sample is asked for.
+    """
+
+    def __init__(self, data_dir: str | Path, split: str, seq_len: int):
+        self.dir = Path(data_dir).expanduser()
+        meta = json.loads((self.dir / "meta.json").read_text())
+        self.meta = meta
+        self.seq_len = seq_len
+        self.vocab_size = int(meta["vocab_size"])
+        self.eos_id = meta.get("eos_id")
+        self.shards = []
+        counts = []
+        for shard in meta["splits"][split]["shards"]:
+            path = self.dir / shard["file"]
+            try:
+                arr = np.load(path, mmap_mode="r")
+            except (OSError, ValueError) as e:
+                raise ValueError(f"{path}: cannot open shard ({e})") from None
+            if arr.ndim != 1 or arr.shape[0] != shard["tokens"] or arr.dtype.name != meta["dtype"]:
+                raise ValueError(f"{path}: {arr.dtype.name}[{arr.shape[0]}] does not match meta.json "
+                                 f"({meta['dtype']}[{shard['tokens']}])")
+            self.shards.append(arr)
+            counts.append(max(0, (arr.shape[0] - 1) // seq_len))
+        self.offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        if self.offsets[-1] == 0:
+            raise ValueError(f"{self.dir}: the {split} split has fewer than seq_len + 1 = "
+                             f"{seq_len + 1} tokens in every shard")
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        s = int(np.searchsorted(self.offsets, i, side="right") - 1)
+        start = (i - int(self.offsets[s])) * self.seq_len
+        w = torch.from_numpy(self.shards[s][start:start + self.seq_len + 1].astype(np.int64))
+        return w[:-1], w[1:]
+
+
+class ResumableSampler(DistributedSampler):
+    """``DistributedSampler(shuffle=True, drop_last=True)`` whose epoch can start part-way.
+
+    Epoch ``e`` is the permutation of all samples drawn from ``seed + e`` (the same for every
+    replica count); replica ``r`` of ``R`` takes positions ``start + r, start + r + R, ...``.
+    ``start`` counts *global* samples already consumed in the epoch, so a run stopped after ``k``
+    global samples resumes on the next one whatever the number of replicas.
+    """
+
+    def __init__(self, dataset: Dataset, num_replicas: int, rank: int, seed: int, shuffle: bool = True):
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle,
+                         seed=seed, drop_last=True)
+        self.start = 0
+
+    def set_position(self, epoch: int, start: int) -> None:
+        self.set_epoch(epoch)
+        self.start = start
+
+    def _order(self) -> list[int]:
+        n = len(self.dataset)
+        if self.shuffle:
+            g = torch.Generator()
+            g.manual_seed(self.seed + self.epoch)
+            return torch.randperm(n, generator=g).tolist()
+        return list(range(n))
+
+    def __iter__(self):
+        order = self._order()
+        usable = (len(order) // self.num_replicas) * self.num_replicas  # drop_last
+        return iter(order[self.start + self.rank:usable:self.num_replicas])
+
+    def __len__(self) -> int:
+        usable = (len(self.dataset) // self.num_replicas) * self.num_replicas
+        return max(0, (usable - self.start - self.rank + self.num_replicas - 1) // self.num_replicas)
+
+
+class DataStream:
+    """An endless iterator of ``(x, y)`` batches from a known (epoch, global offset) position.
+
+    An epoch holds ``(usable - offset) // global_batch`` more batches on every replica (the same
+    count everywhere, so DDP processes never disagree on the number of steps); then the next epoch
+    starts at offset 0. Position bookkeeping is plain arithmetic (``advance``), so the loop can say
+    where it is even while a device loader prefetches batches ahead of the step.
+    """
+
+    def __init__(self, dataset: Dataset, batch_size: int, num_replicas: int, rank: int, seed: int,
+                 num_workers: int = 0, pin_memory: bool = False, shuffle: bool = True):
+        self.dataset = dataset
+        self.global_batch = batch_size * num_replicas
+        self.usable = (len(dataset) // num_replicas) * num_replicas
+        if self.usable < self.global_batch:
+            raise ValueError(f"the data has {len(dataset)} samples, fewer than one global batch "
+                             f"({batch_size} x {num_replicas} replicas)")
+        self.sampler = ResumableSampler(dataset, num_replicas, rank, seed, shuffle=shuffle)
+        self.loader_kwargs = dict(batch_size=batch_size, num_workers=num_workers, drop_last=True,
+                                  pin_memory=pin_memory)
+        self.epoch, self.offset = 0, 0
+        self._it, self._left = None, 0
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return self.usable // self.global_batch
+
+    def remaining(self, offset: int) -> int:
+        return max(0, (self.usable - offset) // self.global_batch)
+
+    def advance(self, epoch: int, offset: int, n: int) -> tuple[int, int]:
+        """The position ``n`` global batches after ``(epoch, offset)``."""
+        while True:
+            rem = self.remaining(offset)
+            if rem == 0:
+                epoch, offset = epoch + 1, 0
+                continue
+            if n == 0:
+                return epoch, offset
+            k = min(n, rem)
+            offset += k * self.global_batch
+            n -= k
+
+    def set_position(self, epoch: int, offset: int) -> None:
+        self.epoch, self.offset = epoch, offset
+        self._it, self._left = None, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self._left == 0:
+            self.epoch, self.offset = self.advance(self.epoch, self.offset, 0)
+            self.sampler.set_position(self.epoch, self.offset)
+            self._it = iter(DataLoader(self.dataset, sampler=self.sampler, **self.loader_kwargs))
+            self._left = self.remaining(self.offset)
+        batch = next(self._it)
+        self._left -= 1
+        self.offset += self.global_batch
+        return batch
+
+
+def eval_batches(dataset: Dataset, batch_size: int, steps: int, num_replicas: int, rank: int):
+    """The first ``steps`` global batches of the split in file order, this replica's share.
+
+    The same samples at every evaluation, so eval losses are comparable across steps and runs.
+    """
+    steps = max(1, min(steps, len(dataset) // (batch_size * num_replicas)))
+    sampler = ResumableSampler(dataset, num_replicas, rank, seed=0, shuffle=False)
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True)
+    for i, batch in enumerate(loader):
+        if i >= steps:
+            break
+        yield batch

@@ -1,0 +1,213 @@
+"""Optimisers and the learning-rate schedule.
+
+Every optimiser here can skip an update without a host sync: before ``step()`` the loop sets
+``optimizer.found_inf`` to a 0-dim float tensor (1.0: skip this update). That is the convention of
+PyTorch's fused AdamW (the attribute GradScaler uses), which we use on CPU and CUDA; ``AdamW`` below
+is the same algorithm in plain tensor ops with the same state layout (``step``, ``exp_avg``,
+``exp_avg_sq`` per parameter), for devices without a fused kernel (XLA), so checkpoints move freely
+between the trainers. ``Muon`` orthogonalises the momentum of 2-D hidden matrices and runs AdamW on
+the rest.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+def lr_at(step: int, max_steps: int, peak: float, warmup: int, min_ratio: float) -> float:
+    """Linear warmup to ``peak`` over ``warmup`` steps, then cosine decay to ``min_ratio * peak``.
+
+    ``step`` counts from 0 (the first update uses ``lr_at(0)``, never 0).
+    """
+    if warmup > 0 and step < warmup:
+        return peak * (step + 1) / warmup
+    decay_steps = max(1, max_steps - warmup)
+    progress = min(1.0, (step - warmup) / decay_steps)
+    return peak * (min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+def split_params(model: nn.Module) -> tuple[list, list, list]:
+    """(matrices, embeddings_and_head, vectors) among trainable parameters, each tied tensor once.
+
+    Matrices (2-D weights inside the blocks) get weight decay (and Muon); embeddings, the LM head,
+    norms, biases, mHC gates and static biases and other scalars get none.
+    """
+    embed_ids = set()
+    for module in model.modules():
+        if isinstance(module, nn.Embedding):
+            embed_ids.add(id(module.weight))
+    head = getattr(model, "lm_head", None)
+    if head is not None:
+        embed_ids.add(id(head.weight))
+    seen, matrices, embeds, vectors = set(), [], [], []
+    for _, p in model.named_parameters():
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        if id(p) in embed_ids:
+            embeds.append(p)
+        elif p.ndim >= 2:
+            matrices.append(p)
+        else:
+            vectors.append(p)
+    return matrices, embeds, vectors
+
+
+def _found_inf(opt: torch.optim.Optimizer, device: torch.device) -> torch.Tensor:
+    f = getattr(opt, "found_inf", None)
+    if f is None:
+        return torch.zeros((), device=device)
+    return f.to(device=device, dtype=torch.float32).reshape(())
+
+
+@torch.no_grad()
+def _adamw_update(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, beta1, beta2, eps,
+                  weight_decay, found_inf):
+    """One AdamW update in tensor ops; a no-op (state included) where ``found_inf`` is 1."""
+    keep = 1.0 - found_inf
+    skip = found_inf > 0
+    for p, g, m, v, step in zip(params, grads, exp_avgs, exp_avg_sqs, steps):
+        g = torch.where(skip, torch.zeros_like(g), g).to(m.dtype)
+        step.add_(keep)
+        t = step.clamp(min=1.0)
+        m.lerp_(g, (1.0 - beta1) * keep)
+        v.mul_(1.0 - (1.0 - beta2) * keep).addcmul_(g, g, value=1.0 - beta2)
+        bc1 = 1.0 - beta1 ** t
+        bc2 = 1.0 - beta2 ** t
+        denom = (v / bc2).sqrt_().add_(eps)
+        p.mul_(1.0 - lr * weight_decay * keep)
+        p.sub_((lr * keep / bc1) * m / denom)
+
+
+class AdamW(torch.optim.Optimizer):
+    """AdamW with a sync-free skip (``found_inf``), state-compatible with ``torch.optim.AdamW``."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                      amsgrad=False, maximize=False, foreach=None,
+                                      capturable=False, differentiable=False, fused=None))
+
+    def _state(self, p):
+        st = self.state[p]
+        if not st:
+            st["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+            st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        elif st["step"].device != p.device:  # a checkpoint from a non-fused optimiser keeps it on CPU
+            st["step"] = st["step"].to(p.device, torch.float32)
+        return st
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            ps = [p for p in group["params"] if p.grad is not None]
+            if not ps:
+                continue
+            states = [self._state(p) for p in ps]
+            beta1, beta2 = group["betas"]
+            _adamw_update(ps, [p.grad for p in ps], [s["exp_avg"] for s in states],
+                          [s["exp_avg_sq"] for s in states], [s["step"] for s in states],
+                          lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                          weight_decay=group["weight_decay"],
+                          found_inf=_found_inf(self, ps[0].device))
+
+
+def newton_schulz(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
+    """Approximately orthogonalise a matrix (the quintic iteration of Muon)."""
+    a, b, c = 3.4445, -4.7750, 2.0315
+    x = g.float()
+    transposed = x.shape[0] > x.shape[1]
+    if transposed:
+        x = x.T
+    x = x / (x.norm() + 1e-7)
+    for _ in range(steps):
+        s = x @ x.T
+        x = a * x + (b * s + c * s @ s) @ x
+    return x.T if transposed else x
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon on groups with ``use_muon=True`` (2-D matrices), AdamW on the others.
+
+    Muon: Nesterov momentum, orthogonalised by Newton-Schulz, scaled by sqrt(max(1, rows/cols)),
+    decoupled weight decay. Skips the whole update (state included) where ``found_inf`` is 1.
+    """
+
+    def __init__(self, param_groups, lr=0.02, momentum=0.95, betas=(0.9, 0.95), eps=1e-8,
+                 weight_decay=0.0, ns_steps=5):
+        defaults = dict(lr=lr, momentum=momentum, betas=betas, eps=eps, weight_decay=weight_decay,
+                        ns_steps=ns_steps, use_muon=False)
+        super().__init__(param_groups, defaults)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            ps = [p for p in group["params"] if p.grad is not None]
+            if not ps:
+                continue
+            found_inf = _found_inf(self, ps[0].device)
+            if not group["use_muon"]:
+                states = []
+                for p in ps:
+                    st = self.state[p]
+                    if not st:
+                        st["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                        st["exp_avg"] = torch.zeros_like(p)
+                        st["exp_avg_sq"] = torch.zeros_like(p)
+                    states.append(st)
+                beta1, beta2 = group["betas"]
+                _adamw_update(ps, [p.grad for p in ps], [s["exp_avg"] for s in states],
+                              [s["exp_avg_sq"] for s in states], [s["step"] for s in states],
+                              lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                              weight_decay=group["weight_decay"], found_inf=found_inf)
+                continue
+            keep = 1.0 - found_inf
+            skip = found_inf > 0
+            mu, lr, wd = group["momentum"], group["lr"], group["weight_decay"]
+            for p in ps:
+                st = self.state[p]
+                if not st:
+                    st["momentum_buffer"] = torch.zeros_like(p)
+                buf = st["momentum_buffer"]
+                g = torch.where(skip, torch.zeros_like(p.grad), p.grad)
+                buf.mul_(1.0 - (1.0 - mu) * keep).add_(g, alpha=1.0 - mu)  # lerp towards g
+                update = g.lerp(buf, mu)  # Nesterov
+                o = newton_schulz(update, group["ns_steps"]).to(p.dtype)
+                scale = max(1.0, p.shape[0] / p.shape[1]) ** 0.5
+                p.mul_(1.0 - lr * wd * keep)
+                p.sub_(o * (lr * scale * keep))
+
+
+def build_optimizer(model: nn.Module, tcfg, adamw_factory=None) -> torch.optim.Optimizer:
+    """The optimiser the config asks for, with weight decay on matrices only.
+
+    ``adamw_factory(groups, **kw)`` lets a backend choose the AdamW implementation (fused on
+    CPU/CUDA, the tensor-op one on XLA); all share one state layout.
+    """
+    matrices, embeds, vectors = split_params(model)
+    if tcfg.optimizer == "muon":
+        groups = [
+            {"params": matrices, "use_muon": True, "lr": tcfg.muon_lr, "weight_decay": tcfg.weight_decay},
+            {"params": embeds + vectors, "use_muon": False, "lr": tcfg.learning_rate, "weight_decay": 0.0},
+        ]
+        opt = Muon(groups, lr=tcfg.muon_lr, momentum=tcfg.muon_momentum, betas=tcfg.betas, eps=tcfg.eps)
+    else:
+        groups = [{"params": matrices, "weight_decay": tcfg.weight_decay},
+                  {"params": embeds + vectors, "weight_decay": 0.0}]
+        factory = adamw_factory or AdamW
+        opt = factory(groups, lr=tcfg.learning_rate, betas=tcfg.betas, eps=tcfg.eps)
+    for g in opt.param_groups:
+        g["base_lr"] = g["lr"]  # the schedule scales every group from its own peak
+    return opt
+
+
+def set_lr(opt: torch.optim.Optimizer, factor: float) -> None:
+    """Set every group's learning rate to ``factor`` x its peak (``base_lr``)."""
+    for g in opt.param_groups:
+        lr = g["base_lr"] * factor
+        if isinstance(g["lr"], torch.Tensor):
+            g["lr"].fill_(lr)
+        else:
+            g["lr"] = lr
