@@ -52,6 +52,9 @@ class Backend:
         """The AdamW implementation for this device (see training.optim)."""
         return None
 
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Place or shard optimiser state (SPMD); a no-op elsewhere."""
+
     def batches(self, iterable: Iterable) -> Iterator:
         """An iterator of batches already on the device."""
         for x, y in iterable:
@@ -109,6 +112,10 @@ class Backend:
 
     def peak_flops(self) -> float | None:
         return None
+
+    def log_extras(self) -> dict:
+        """Host-side numbers added to every metrics line (XLA: compile counters)."""
+        return {}
 
     def finish(self, run_dir: Path, log: Callable[[str], None]) -> None:
         """End of the run (XLA writes its compile metrics here)."""

@@ -40,6 +40,8 @@ class StopRequested:
         self._old = {}
 
     def install(self) -> "StopRequested":
+        if self._old:
+            return self
         for sig in (signal.SIGTERM, signal.SIGINT):
             try:
                 self._old[sig] = signal.signal(sig, self._handle)
@@ -59,6 +61,13 @@ class StopRequested:
     def restore(self) -> None:
         for sig, old in self._old.items():
             signal.signal(sig, old)
+        self._old = {}
+        self.requested = False
+
+
+# One per process: a worker whose training loop runs outside the main thread (xmp.spawn runs it
+# in a thread) installs the handlers from its main thread at import (train_xla.py).
+STOP = StopRequested()
 
 
 @dataclass
@@ -139,7 +148,9 @@ def train(cfg: Config, backend: Backend) -> int:
     train_model = backend.prepare_model(model, cfg)
     raw_model = backend.unwrap(train_model)
     optimizer = build_optimizer(raw_model, t_cfg, backend.adamw_factory())
-    if resumed is not None:
+    if resumed is None:
+        backend.prepare_optimizer(optimizer)
+    else:
         backend.load_optimizer_state(optimizer, ckpt["optimizer"])
         set_rng_state(ckpt["rng"])
         state.step, state.tokens_seen = int(ckpt["step"]), int(ckpt["tokens_seen"])
@@ -148,7 +159,7 @@ def train(cfg: Config, backend: Backend) -> int:
         log(f"resumed from {ckpt_path} at step {state.step} (epoch {state.epoch}, sample "
             f"{state.offset}, {state.tokens_seen:,} tokens seen)")
         del ckpt
-    elif backend.is_master and cfg.checkpoint.resume == "auto" and (run_dir / "metrics.jsonl").exists():
+    if resumed is None and cfg.checkpoint.resume == "auto" and (run_dir / "metrics.jsonl").exists():
         log(f"warning: {run_dir} has metrics.jsonl but no checkpoint: starting from step 0")
 
     stream = DataStream(train_ds, t_cfg.batch_size, replicas, backend.rank, t_cfg.seed,
@@ -157,7 +168,7 @@ def train(cfg: Config, backend: Backend) -> int:
     batches = backend.batches(stream)
     amp_dtype = backend.autocast_dtype(t_cfg.precision)
     monitor = Monitor(cfg, run_dir, backend.is_master, max_steps, state.step)
-    stopper = StopRequested().install()
+    stopper = STOP.install()
     params = [p for p in raw_model.parameters() if p.requires_grad]
     flops_per_token = raw_model.flops_per_token(d_cfg.seq_len)
     peak = cfg.logging.peak_flops or backend.peak_flops()
@@ -207,7 +218,7 @@ def train(cfg: Config, backend: Backend) -> int:
 
     def on_log(values: dict) -> None:
         """Runs on the host once a log step's tensors are computed (XLA: in a step closure)."""
-        step = values.pop("_step")
+        step = int(values.pop("_step"))
         now = time.time()
         dt = max(now - host["last_log_time"], 1e-9)
         steps = step - host["last_log_step"]
@@ -228,6 +239,7 @@ def train(cfg: Config, backend: Backend) -> int:
             rec["eval_ppl"] = math.exp(min(rec["eval_loss"], 50.0))
         rec["nonfinite_skipped"] = state.nonfinite_total
         rec.update(values)  # model metrics (nash entropy, mHC gates, ...)
+        rec.update(backend.log_extras())
         host["last"] = rec
         monitor.log(step, rec)
         if "eval_loss" in rec:
@@ -256,9 +268,9 @@ def train(cfg: Config, backend: Backend) -> int:
                 loss_sum += out.loss.detach().float()
             backend.reduce_gradients(optimizer)
             grads = [p.grad for p in params if p.grad is not None]
-            grad_norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+            grad_norm = torch.nn.utils.get_total_norm(grads)
             if t_cfg.grad_clip > 0:
-                torch.nn.utils.clip_grads_with_norm_(params, t_cfg.grad_clip, grad_norm, foreach=True)
+                torch.nn.utils.clip_grads_with_norm_(params, t_cfg.grad_clip, grad_norm)
             loss = loss_sum / accum
             ok = torch.isfinite(loss) & torch.isfinite(grad_norm)
             optimizer.found_inf = (~ok).float()

@@ -99,6 +99,12 @@ class AdamW(torch.optim.Optimizer):
             st["step"] = st["step"].to(p.device, torch.float32)
         return st
 
+    def init_state(self) -> None:
+        """Create every parameter's state now (SPMD shards it like the parameter)."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                self._state(p)
+
     @torch.no_grad()
     def step(self, closure=None):
         for group in self.param_groups:
@@ -141,6 +147,24 @@ class Muon(torch.optim.Optimizer):
                         ns_steps=ns_steps, use_muon=False)
         super().__init__(param_groups, defaults)
 
+    def _state(self, p, group):
+        st = self.state[p]
+        if not st:
+            if group["use_muon"]:
+                st["momentum_buffer"] = torch.zeros_like(p)
+            else:
+                st["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                st["exp_avg"] = torch.zeros_like(p)
+                st["exp_avg_sq"] = torch.zeros_like(p)
+        elif "step" in st and st["step"].device != p.device:
+            st["step"] = st["step"].to(p.device, torch.float32)
+        return st
+
+    def init_state(self) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                self._state(p, group)
+
     @torch.no_grad()
     def step(self, closure=None):
         for group in self.param_groups:
@@ -149,14 +173,7 @@ class Muon(torch.optim.Optimizer):
                 continue
             found_inf = _found_inf(self, ps[0].device)
             if not group["use_muon"]:
-                states = []
-                for p in ps:
-                    st = self.state[p]
-                    if not st:
-                        st["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-                        st["exp_avg"] = torch.zeros_like(p)
-                        st["exp_avg_sq"] = torch.zeros_like(p)
-                    states.append(st)
+                states = [self._state(p, group) for p in ps]
                 beta1, beta2 = group["betas"]
                 _adamw_update(ps, [p.grad for p in ps], [s["exp_avg"] for s in states],
                               [s["exp_avg_sq"] for s in states], [s["step"] for s in states],
@@ -167,10 +184,7 @@ class Muon(torch.optim.Optimizer):
             skip = found_inf > 0
             mu, lr, wd = group["momentum"], group["lr"], group["weight_decay"]
             for p in ps:
-                st = self.state[p]
-                if not st:
-                    st["momentum_buffer"] = torch.zeros_like(p)
-                buf = st["momentum_buffer"]
+                buf = self._state(p, group)["momentum_buffer"]
                 g = torch.where(skip, torch.zeros_like(p.grad), p.grad)
                 buf.mul_(1.0 - (1.0 - mu) * keep).add_(g, alpha=1.0 - mu)  # lerp towards g
                 update = g.lerp(buf, mu)  # Nesterov

@@ -1,0 +1,91 @@
+"""Train a Nash-MHC transformer with PyTorch/XLA: on a TPU VM, or on the CPU through PJRT.
+
+    python train_xla.py configs/nash_mhc_3b.yaml [section.key=value ...]
+    PJRT_DEVICE=CPU python train_xla.py configs/demo.yaml            # no TPU: the CPU
+    CPU_NUM_DEVICES=4 python train_xla.py configs/demo.yaml xla.mode=spmd xla.mesh.fsdp=2 xla.mesh.tp=2
+
+``xla.mode: ddp`` (default) runs one process per core/chip with ``xmp.spawn``; ``xla.mode: spmd``
+runs one process over a data x fsdp x tp mesh of every device. Config, data, loop and checkpoints
+are train.py's (training/); checkpoints move freely between the two.
+"""
+from __future__ import annotations
+
+import glob
+import importlib.util
+import multiprocessing
+import os
+import signal
+import sys
+
+from training.loop import STOP, main, train
+
+
+class TrainingExit(Exception):
+    """A worker's non-zero exit code or one-line error, carried back to the launcher."""
+
+    def __init__(self, code: int, message: str = ""):
+        super().__init__(code, message)
+        self.code, self.message = code, message
+
+
+def _default_pjrt_device() -> None:
+    if "PJRT_DEVICE" in os.environ:
+        return
+    on_tpu = importlib.util.find_spec("libtpu") is not None or glob.glob("/dev/accel*") \
+        or glob.glob("/dev/vfio/[0-9]*")
+    os.environ["PJRT_DEVICE"] = "TPU" if on_tpu else "CPU"
+    if not on_tpu:
+        print("train_xla.py: no TPU found: using PJRT_DEVICE=CPU (set PJRT_DEVICE to choose)",
+              file=sys.stderr)
+
+
+def _worker(index: int, cfg) -> None:
+    """One replica (xmp.spawn calls this in each process) or the single SPMD process."""
+    from training.config import ConfigError
+    from training.checkpoint import CheckpointError
+    from training.xla_backend import XLABackend
+
+    try:
+        backend = XLABackend(cfg)
+        code = train(cfg, backend)
+    except (ConfigError, CheckpointError, ValueError) as e:
+        raise TrainingExit(2, str(e)) from None
+    if code != 0:
+        raise TrainingExit(code)
+
+
+def _forward_signals_to_workers() -> None:
+    """The launcher passes SIGTERM/SIGINT on to the worker processes, which stop and save."""
+    def forward(signum, frame):
+        for child in multiprocessing.active_children():
+            try:
+                os.kill(child.pid, signum)
+            except ProcessLookupError:
+                pass
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+
+
+def run(cfg) -> int:
+    _default_pjrt_device()
+    try:
+        if cfg.xla.mode == "spmd":
+            _worker(0, cfg)
+        else:
+            import torch_xla.distributed.xla_multiprocessing as xmp
+            _forward_signals_to_workers()
+            xmp.spawn(_worker, args=(cfg,), nprocs=cfg.xla.nprocs)
+    except TrainingExit as e:
+        if e.message:
+            print(f"train_xla.py: error: {e.message}", file=sys.stderr)
+        return e.code
+    return 0
+
+
+if multiprocessing.parent_process() is not None:
+    # Imported in an xmp.spawn worker: its training loop runs in a thread, so the stop-and-save
+    # signal handlers are installed here, in the worker's main thread.
+    STOP.install()
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:], run, "train_xla.py"))

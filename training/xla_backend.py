@@ -1,0 +1,239 @@
+"""The PyTorch/XLA backend: the only module that imports ``torch_xla``.
+
+Two modes (``xla.mode``):
+
+- ``ddp``: one process per TPU core/chip (``xmp.spawn``), each with its own replica of the model;
+  ``DistributedSampler`` shards, ``MpDeviceLoader`` uploads, ``xm.reduce_gradients`` all-reduces,
+  then the *reduced* gradient is clipped and the optimiser steps.
+- ``spmd``: one process drives every device through a ``data x fsdp x tp`` mesh. Parameters are
+  sharded FSDP-style over ``fsdp`` and tensor-parallel over ``tp``; the batch is sharded over
+  ``data`` and ``fsdp``; XLA's SPMD partitioner inserts the collectives. ``batch_size`` is global.
+
+Host syncs happen only in step closures at log intervals; values are copied with ``.cpu()`` (a
+transfer), never ``.item()`` on a device tensor (which would show up as an ``aten::`` fallback).
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+import torch_xla
+import torch_xla.core.xla_model as xm
+import torch_xla.debug.metrics as met
+import torch_xla.distributed.parallel_loader as pl
+import torch_xla.runtime as xr
+from torch import nn
+
+from .backend import Backend
+from .checkpoint import fsync_dir
+from .monitor import peak_flops_for
+from .optim import AdamW
+
+# Column-parallel projections (output features split over tp) and row-parallel ones (input
+# features split over tp), by module name (model.py's naming contract).
+COLUMN_PARALLEL = ("wq", "wk", "wv", "w1", "w3")
+ROW_PARALLEL = ("wo", "w2")
+
+
+def xla_counters() -> dict:
+    """Compilations, CPU fallbacks (``aten::`` counters) and device-to-host transfers so far."""
+    fallbacks = sorted(n for n in met.counter_names() if n.startswith("aten::"))
+    transfers = met.metric_data("TransferFromDeviceTime")
+    return {
+        "compilations": int(met.counter_value("UncachedCompile") or 0),
+        "cached_compilations": int(met.counter_value("CachedCompile") or 0),
+        "cpu_fallbacks": len(fallbacks),
+        "fallback_ops": {n: int(met.counter_value(n)) for n in fallbacks},
+        "device_to_host_transfers": int(transfers[0]) if transfers else 0,
+        "executions": int(met.counter_value("ExecuteComputation") or 0),
+    }
+
+
+def param_partition_spec(name: str, p: torch.Tensor) -> tuple | None:
+    """The SPMD partition spec of a parameter (``None``: replicated)."""
+    if p.ndim != 2:
+        return None  # norms, gates, biases, scalars: tiny, replicated
+    module = name.split(".")[-2] if "." in name else name
+    if module in COLUMN_PARALLEL:
+        return ("tp", "fsdp")
+    if module in ROW_PARALLEL:
+        return ("fsdp", "tp")
+    return ("fsdp", None)  # embeddings, mHC projections, pooling: FSDP only
+
+
+class XLABackend(Backend):
+    name = "xla"
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.spmd = cfg.xla.mode == "spmd"
+        self.mesh = None
+        if self.spmd:
+            xr.use_spmd()
+        self._init_cache(cfg.xla.compile_cache)
+        self.device = torch_xla.device()
+        if self.spmd:
+            import torch_xla.distributed.spmd as xs
+            self.xs = xs
+            n = xr.global_runtime_device_count()
+            m = cfg.xla.mesh
+            if m.data * m.fsdp * m.tp != n:
+                raise ValueError(f"xla.mesh: data x fsdp x tp = {m.data} x {m.fsdp} x {m.tp} = "
+                                 f"{m.data * m.fsdp * m.tp}, but there are {n} devices")
+            self.mesh = xs.Mesh(np.arange(n), (m.data, m.fsdp, m.tp), ("data", "fsdp", "tp"))
+            self.world_size, self.rank, self.is_master = 1, 0, xr.process_index() == 0
+            self.n_devices = n
+        else:
+            self.world_size = xr.world_size()
+            self.rank = xr.global_ordinal()
+            self.is_master = self.rank == 0  # the global master: one writer across hosts
+            self.n_devices = self.world_size
+        # Cross-process decisions (stop signals) are taken at log intervals: a rendezvous costs
+        # a host round trip, which the step never pays.
+        self.signal_check_interval = cfg.logging.interval
+        self._specs: dict[int, tuple] = {}
+
+    def _init_cache(self, cache: str | None) -> None:
+        if not cache:
+            return
+        sub = "spmd" if self.spmd else f"ordinal_{xr.global_ordinal()}"
+        path = Path(cache).expanduser() / sub
+        path.mkdir(parents=True, exist_ok=True)
+        try:
+            xr.initialize_cache(str(path), readonly=False)
+        except RuntimeError as e:  # already initialised in this process (tests, notebooks)
+            if "already" not in str(e).lower():
+                raise
+
+    # -- set-up ------------------------------------------------------------------------------
+    def prepare_model(self, model: nn.Module, cfg) -> nn.Module:
+        if cfg.model.activation_checkpointing:
+            import torch_xla.utils.checkpoint as xcp
+            model.checkpoint_fn = xcp.checkpoint
+        model = model.to(self.device)
+        if cfg.model.tie_embeddings:
+            # Module.to() cannot move a parameter to XLA in place: it creates one new Parameter per
+            # module, which silently unties the embedding and the LM head. Tie them again.
+            model.lm_head.weight = model.tok_emb.weight
+        if self.spmd:
+            for name, p in model.named_parameters():
+                spec = param_partition_spec(name, p)
+                if spec is not None and id(p) not in self._specs:
+                    self.xs.mark_sharding(p, self.mesh, spec)
+                    self._specs[id(p)] = spec
+        return model
+
+    def adamw_factory(self):
+        return AdamW  # no fused kernel on XLA: the tensor-op AdamW, same state layout
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """SPMD: create the optimiser state now, sharded like its parameter (FSDP)."""
+        if not self.spmd:
+            return
+        if hasattr(optimizer, "init_state"):
+            optimizer.init_state()
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                spec = self._specs.get(id(p))
+                if spec is None:
+                    continue
+                for v in optimizer.state[p].values():
+                    if torch.is_tensor(v) and v.shape == p.shape:
+                        self.xs.mark_sharding(v, self.mesh, spec)
+
+    def batches(self, iterable):
+        kw = {}
+        if self.spmd:
+            kw["input_sharding"] = self.xs.ShardingSpec(self.mesh, (("data", "fsdp"), None))
+        return iter(pl.MpDeviceLoader(iterable, self.device, **kw))
+
+    # -- the step ----------------------------------------------------------------------------
+    def reduce_gradients(self, optimizer) -> None:
+        if not self.spmd and self.world_size > 1:
+            xm.reduce_gradients(optimizer)
+
+    def sync(self) -> None:
+        torch_xla.sync()
+
+    def mean_across(self, t: torch.Tensor) -> torch.Tensor:
+        if self.spmd or self.world_size == 1:
+            return t
+        return xm.all_reduce(xm.REDUCE_SUM, t, scale=1.0 / self.world_size)
+
+    def on_host(self, fn: Callable[[dict], None], tensors: dict) -> None:
+        def closure(values):
+            fn({k: float(v.cpu()) for k, v in values.items()})
+        xm.add_step_closure(closure, args=(tensors,))
+
+    def any_process(self, flag: bool) -> bool:
+        if self.spmd or self.world_size == 1:
+            return flag
+        return bool(xm.mesh_reduce("nash_mhc_flag", int(flag), max))
+
+    def barrier(self) -> None:
+        if not self.spmd and self.world_size > 1:
+            xm.rendezvous("nash_mhc_barrier")
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def model_state(self, model: nn.Module) -> dict:
+        # Device tensors: xm.save moves them to the host on the writing process only. In SPMD
+        # a sharded tensor comes back whole, so the file is consolidated and loads in train.py.
+        return {k: v.detach() for k, v in self.unwrap(model).state_dict().items()}
+
+    def optimizer_state(self, optimizer) -> dict:
+        return optimizer.state_dict()
+
+    def load_optimizer_state(self, optimizer, state: dict) -> None:
+        optimizer.load_state_dict(state)
+        self.prepare_optimizer(optimizer)
+
+    def save(self, obj: dict, path: Path) -> None:
+        """Every process calls xm.save (a collective); the global master writes a temporary
+        file, which it then fsyncs and renames."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
+        xm.save(obj, str(tmp), master_only=True, global_master=True)
+        if self.is_master:
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+            fsync_dir(path.parent)
+        self.barrier()
+
+    # -- reporting ---------------------------------------------------------------------------
+    def device_name(self) -> str:
+        kind = xr.device_type() or "XLA"
+        try:
+            attrs = xm.get_device_attributes() if hasattr(xm, "get_device_attributes") else {}
+        except Exception:
+            attrs = {}
+        desc = attrs.get("device_kind") if isinstance(attrs, dict) else None
+        mode = f"spmd mesh {tuple(self.mesh.mesh_shape)}" if self.spmd else "ddp"
+        return f"{desc or kind} ({self.n_devices} device(s), {mode})"
+
+    def peak_flops(self) -> float | None:
+        if xr.device_type() == "TPU":
+            return peak_flops_for(f"TPU {self.device_name()}")
+        return None
+
+    def log_extras(self) -> dict:
+        c = xla_counters()
+        return {"xla_compilations": c["compilations"], "xla_cpu_fallbacks": c["cpu_fallbacks"],
+                "xla_transfers": c["device_to_host_transfers"]}
+
+    def finish(self, run_dir: Path, log: Callable[[str], None]) -> None:
+        torch_xla.sync()
+        c = xla_counters()
+        if self.is_master:
+            run_dir = Path(run_dir)
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "xla_metrics.json").write_text(json.dumps(c, indent=2) + "\n")
+            (run_dir / "xla_metrics_report.txt").write_text(met.metrics_report())
+        log(f"xla: {c['compilations']} compilations, {c['cpu_fallbacks']} CPU fallbacks "
+            f"({', '.join(c['fallback_ops']) or 'none'}), {c['device_to_host_transfers']} "
+            f"device-to-host transfers; details in {Path(run_dir) / 'xla_metrics.json'}")
