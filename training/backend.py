@@ -98,7 +98,7 @@ class Backend:
         return _to_cpu(optimizer.state_dict())
 
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
-        optimizer.load_state_dict(state)
+        load_optimizer_state(optimizer, state)
 
     def save(self, obj: dict, path: Path) -> None:
         """Atomically write a checkpoint (the master writes; every process calls this)."""
@@ -122,6 +122,19 @@ class Backend:
 
     def shutdown(self) -> None:
         pass
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """Load moments and step counters, keeping this run's hyperparameters and implementation flags.
+
+    ``load_state_dict`` would also restore the saved groups' settings: the learning rate and weight
+    decay of the old config, and ``fused``/``foreach`` flags of the other trainer's optimiser (a
+    checkpoint from train_xla.py would turn off train.py's fused kernel, and the reverse breaks).
+    """
+    fresh = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    optimizer.load_state_dict(state)
+    for group, mine in zip(optimizer.param_groups, fresh):
+        group.update(mine)
 
 
 def _to_cpu(obj):

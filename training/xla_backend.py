@@ -28,7 +28,7 @@ import torch_xla.distributed.parallel_loader as pl
 import torch_xla.runtime as xr
 from torch import nn
 
-from .backend import Backend
+from .backend import Backend, load_optimizer_state
 from .checkpoint import fsync_dir
 from .monitor import peak_flops_for
 from .optim import AdamW
@@ -100,6 +100,9 @@ class XLABackend(Backend):
     def _init_cache(self, cache: str | None) -> None:
         if not cache:
             return
+        if xr.device_type() == "CPU":
+            # PJRT CPU cannot deserialise executables: a cache would only add a warning per graph.
+            return
         sub = "spmd" if self.spmd else f"ordinal_{xr.global_ordinal()}"
         path = Path(cache).expanduser() / sub
         path.mkdir(parents=True, exist_ok=True)
@@ -138,11 +141,9 @@ class XLABackend(Backend):
             optimizer.init_state()
         for group in optimizer.param_groups:
             for p in group["params"]:
-                spec = self._specs.get(id(p))
-                if spec is None:
-                    continue
+                spec = self._specs.get(id(p), (None,) * p.ndim)
                 for v in optimizer.state[p].values():
-                    if torch.is_tensor(v) and v.shape == p.shape:
+                    if torch.is_tensor(v) and v.shape == p.shape and v.device == p.device and v.ndim:
                         self.xs.mark_sharding(v, self.mesh, spec)
 
     def batches(self, iterable):
@@ -188,8 +189,8 @@ class XLABackend(Backend):
         return optimizer.state_dict()
 
     def load_optimizer_state(self, optimizer, state: dict) -> None:
-        optimizer.load_state_dict(state)
-        self.prepare_optimizer(optimizer)
+        load_optimizer_state(optimizer, state)
+        self.prepare_optimizer(optimizer)  # loaded state arrives unsharded: shard it again
 
     def save(self, obj: dict, path: Path) -> None:
         """Every process calls xm.save (a collective); the global master writes a temporary
