@@ -1,0 +1,188 @@
+#!/usr/bin/env python3
+"""Throughput of prepare_data.py against raw `Tokenizer.encode_batch` on the same text.
+
+    .venv/bin/python bench/prepare_data.py [--passes 2] [--repeats 3] [--vocab-size 32768]
+
+Corpus: the .py files of this Python's standard library (without site-packages), copied `--passes`
+times into a temporary directory (as distinct files, so the pipeline reads every copy), enough
+passes to exceed 50 MB by default. One tokenizer (trained here on the first 20 MB, or `--tokenizer`)
+serves both sides.
+
+- raw: the documents already in memory, `encode_batch` over batches of the size the pipeline uses;
+  nothing kept. `encode_batch_fast` (no offsets), which the pipeline calls, is shown as well.
+- pipeline: `prepare_data.main([... --tokenizer T ...])` end to end: walking and reading the files,
+  UTF-8 checks, split hashing, encoding, shard building and hashing, writing with fsync.
+
+tokens/s counts document tokens (end-of-text ids excluded) on both sides. Runs are interleaved
+(raw, fast, pipeline, raw, ...) so that load from other processes hits all three alike; the table
+shows medians. Results also go to bench/results/prepare_data.json.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import prepare_data  # noqa: E402
+
+TARGET_BYTES = 50_000_000
+
+
+def stdlib_files() -> list[Path]:
+    std = Path(sysconfig.get_paths()["stdlib"])
+    files = []
+    for dirpath, dirnames, filenames in os.walk(std):
+        dirnames[:] = sorted(d for d in dirnames if d != "site-packages")
+        files += [Path(dirpath, f) for f in sorted(filenames) if f.endswith(".py")]
+    return files
+
+
+def build_corpus(folder: Path, passes: int | None) -> tuple[list[str], int]:
+    """Copy the stdlib .py files into folder/pass_k/...; return the documents prepare_data will see
+    (UTF-8, non-empty, in its order) and the number of passes."""
+    std = Path(sysconfig.get_paths()["stdlib"])
+    texts, rels = [], []
+    for path in stdlib_files():
+        try:
+            text = path.read_bytes().decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+        if text:
+            texts.append(text)
+            rels.append(path.relative_to(std))
+    size = sum(len(t.encode()) for t in texts)
+    passes = passes or -(-TARGET_BYTES // size)
+    docs = []
+    for k in range(passes):
+        for rel, text in zip(rels, texts):
+            dest = folder / f"pass_{k}" / rel
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.write_text(text, encoding="utf-8", newline="")
+        docs += texts
+    # prepare_data walks directories in sorted order; the order does not change token counts.
+    return docs, passes
+
+
+def time_raw(tok, docs: list[str], fast: bool) -> tuple[float, int]:
+    encode = tok.encode_batch_fast if fast else tok.encode_batch
+    batches, batch, nbytes = [], [], 0
+    for d in docs:  # the pipeline's batching
+        batch.append(d)
+        nbytes += len(d.encode())
+        if nbytes >= prepare_data.BATCH_BYTES or len(batch) >= prepare_data.BATCH_DOCS:
+            batches.append(batch)
+            batch, nbytes = [], 0
+    if batch:
+        batches.append(batch)
+    t0 = time.perf_counter()
+    tokens = 0
+    for b in batches:
+        tokens += sum(len(e) for e in encode(b, add_special_tokens=False))
+    return time.perf_counter() - t0, tokens
+
+
+def time_pipeline(corpus: Path, tokenizer: Path, out: Path) -> tuple[float, int]:
+    argv = ["--input", str(corpus), "--glob", "*.py", "--tokenizer", str(tokenizer), "--out", str(out),
+            "--overwrite"]
+    t0 = time.perf_counter()
+    with contextlib.redirect_stdout(io.StringIO()):
+        rc = prepare_data.main(argv)
+    elapsed = time.perf_counter() - t0
+    if rc != 0:
+        raise SystemExit(f"prepare_data.py failed with exit code {rc}")
+    meta = json.loads((out / "meta.json").read_text())
+    splits = meta["splits"].values()
+    return elapsed, sum(s["tokens"] - s["documents"] for s in splits)  # without end-of-text ids
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--passes", type=int, help="copies of the stdlib (default: enough for 50 MB)")
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs of each kind (default 3)")
+    ap.add_argument("--vocab-size", type=int, default=32768, help="of the tokenizer trained here")
+    ap.add_argument("--tokenizer", help="use this tokenizer.json / directory instead of training one")
+    ap.add_argument("--workdir", help="where to put the corpus copy (default: a temporary directory)")
+    args = ap.parse_args()
+
+    from tokenizers import Tokenizer
+    import tokenizers
+
+    with tempfile.TemporaryDirectory(dir=args.workdir, prefix="bench_prepare_data_") as tmp:
+        tmp = Path(tmp)
+        docs, passes = build_corpus(tmp / "corpus", args.passes)
+        nbytes = sum(len(d.encode()) for d in docs)
+        if args.tokenizer:
+            tok_path = Path(args.tokenizer)
+            tok_path = tok_path / "tokenizer.json" if tok_path.is_dir() else tok_path
+            tok_note = str(args.tokenizer)
+        else:
+            t0 = time.perf_counter()
+            sample, used = [], 0
+            for d in docs:
+                sample.append(d)
+                used += len(d.encode())
+                if used >= 20_000_000:
+                    break
+            tok_path = tmp / "tokenizer.json"
+            prepare_data.train_tokenizer(iter(sample), args.vocab_size, False).save(str(tok_path))
+            tok_note = f"byte-level BPE, vocab {args.vocab_size}, trained on {used / 1e6:.0f} MB " \
+                       f"in {time.perf_counter() - t0:.0f} s"
+        tok = Tokenizer.from_file(str(tok_path))
+        tok.encode_special_tokens = True  # as the pipeline does
+
+        runs = {"raw Tokenizer.encode_batch": [], "raw Tokenizer.encode_batch_fast": [],
+                "prepare_data.py pipeline": []}
+        counts = {}
+        for r in range(args.repeats):
+            for name, fn in (("raw Tokenizer.encode_batch", lambda: time_raw(tok, docs, False)),
+                             ("raw Tokenizer.encode_batch_fast", lambda: time_raw(tok, docs, True)),
+                             ("prepare_data.py pipeline",
+                              lambda: time_pipeline(tmp / "corpus", tok_path, tmp / "out"))):
+                seconds, tokens = fn()
+                runs[name].append(seconds)
+                counts[name] = tokens
+                print(f"  run {r + 1}/{args.repeats} {name}: {seconds:.2f} s", file=sys.stderr, flush=True)
+        if len(set(counts.values())) != 1:
+            raise SystemExit(f"token counts differ between raw and pipeline: {counts}")
+        tokens = counts["prepare_data.py pipeline"]
+
+    print(f"corpus: stdlib .py files x {passes} passes = {nbytes / 1e6:.1f} MB, {len(docs):,} documents, "
+          f"{tokens:,} tokens")
+    print(f"tokenizer: {tok_note}")
+    print(f"machine: {os.cpu_count()} CPUs, Python {platform.python_version()}, "
+          f"tokenizers {tokenizers.__version__}, repeats {args.repeats} (medians)")
+    print(f"{'':34}{'median s':>9}{'tokens/s':>12}{'MB/s':>8}")
+    medians = {name: statistics.median(v) for name, v in runs.items()}
+    for name, s in medians.items():
+        print(f"{name:34}{s:9.2f}{tokens / s:12,.0f}{nbytes / s / 1e6:8.2f}")
+    ratio = medians["raw Tokenizer.encode_batch"] / medians["prepare_data.py pipeline"]
+    ratio_fast = medians["raw Tokenizer.encode_batch_fast"] / medians["prepare_data.py pipeline"]
+    print(f"pipeline / raw encode_batch: {ratio:.2f} (target >= 0.5); "
+          f"pipeline / raw encode_batch_fast: {ratio_fast:.2f}")
+
+    results = ROOT / "bench" / "results"
+    results.mkdir(parents=True, exist_ok=True)
+    record = {"corpus_bytes": nbytes, "documents": len(docs), "tokens": tokens, "passes": passes,
+              "tokenizer": tok_note, "cpus": os.cpu_count(), "runs_s": runs, "median_s": medians,
+              "ratio_pipeline_to_raw_encode_batch": ratio,
+              "ratio_pipeline_to_raw_encode_batch_fast": ratio_fast}
+    tmp_file = results / "prepare_data.json.tmp"
+    tmp_file.write_text(json.dumps(record, indent=2) + "\n")
+    os.replace(tmp_file, results / "prepare_data.json")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,795 @@
+#!/usr/bin/env python3
+"""Prepare a pre-training corpus once: train (or reuse) a byte-level BPE tokenizer, write token shards.
+
+    python prepare_data.py --input corpus/ --glob '*.txt' --vocab-size 32768 --out data/corpus
+
+The output directory is what the trainers read (`data.dir`):
+
+    tokenizer.json, tokenizer_config.json, special_tokens_map.json
+        the tokenizer; `transformers.AutoTokenizer.from_pretrained(dir)` loads it offline.
+    train_00000.npy, ..., val_00000.npy, ...
+        1-D token-id arrays (uint16 when the vocabulary fits, else uint32). The shards of a split are
+        consecutive pieces of one stream in which every document is followed by the end-of-text id.
+    meta.json
+        vocabulary, dtype, special ids, per-split documents/tokens/shards (with sha256), the inputs and
+        the command. Written last: a directory without meta.json is not a finished one.
+
+The directory is built next to `--out` under a hidden temporary name and renamed into place when
+complete, so an interrupted or failed run never leaves anything that looks finished, and an existing
+output (replaced only with `--overwrite`) stays intact until the new one is ready.
+"""
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import hashlib
+import json
+import os
+import secrets
+import shlex
+import shutil
+import signal
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+PROG = "prepare_data.py"
+FORMAT_VERSION = 1
+EOS_TOKEN = "<|endoftext|>"
+PAD_TOKEN = "<|pad|>"
+N_BYTES = 256  # the byte-level alphabet: every byte has its own token
+DEFAULT_VOCAB_SIZE = 32768
+RECORD_KINDS = {".jsonl": "json", ".json": "json", ".ndjson": "json", ".parquet": "parquet"}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+BATCH_BYTES = 1 << 20  # text per encode_batch call: large enough to keep both cores busy
+BATCH_DOCS = 4096
+RECORD_BATCH = 1024  # records read at a time from json/parquet/datasets
+
+
+EXAMPLES = """examples:
+  # the Python standard library as a toy corpus, a 4096-token vocabulary
+  python prepare_data.py --input /usr/lib/python3.11 --glob '*.py' --exclude site-packages \\
+      --vocab-size 4096 --out data/stdlib
+  # JSON lines with the text under "content"; the tokenizer of an earlier run
+  python prepare_data.py --input shards/ --glob '*.jsonl' --text-column content \\
+      --tokenizer data/stdlib --out data/more
+  # a hub dataset, streamed, for a smoke run
+  python prepare_data.py --dataset HuggingFaceFW/fineweb-edu --dataset-config sample-10BT \\
+      --max-tokens 50M --vocab-size 32768 --out data/fineweb-smoke
+"""
+
+
+class DataError(Exception):
+    """Bad input or arguments: reported as one line, no traceback."""
+
+
+def one_line(exc: BaseException) -> str:
+    """The first non-empty line of an exception message, for errors raised by other libraries."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    return (lines[0] if lines else type(exc).__name__)[:300]
+
+
+def warn(msg: str) -> None:
+    print(f"{PROG}: warning: {msg}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Command line
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line instead of usage + message
+        raise DataError(f"{message} (see --help)")
+
+
+def size(text: str) -> int:
+    """A positive integer, optionally with a decimal k/M/G suffix: 300M = 300_000_000."""
+    mult = {"k": 10**3, "m": 10**6, "g": 10**9}.get(text[-1:].lower(), 1)
+    try:
+        value = int(text[:-1] if mult > 1 else text) * mult
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive: {text!r}")
+    return value
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = _Parser(prog=PROG, description=__doc__.split("\n\n")[0], epilog=EXAMPLES,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_argument_group("inputs (any mix)")
+    src.add_argument("--input", nargs="+", action="extend", default=[], metavar="PATH",
+                     help="files or directories (recursed in sorted order). A plain-text file is one "
+                          "document; .jsonl/.json/.parquet files give one document per record")
+    src.add_argument("--glob", action="append", default=[], metavar="PATTERN",
+                     help="keep only files found in directories that match (repeatable). A pattern "
+                          "with '/' matches the path relative to the input directory, else the name")
+    src.add_argument("--exclude", action="append", default=[], metavar="PATTERN",
+                     help="skip files and whole directories found in directories that match "
+                          "(repeatable, same rule as --glob), e.g. --exclude site-packages")
+    src.add_argument("--text-column", default="text", metavar="COL", help="record field holding the text (default: text)")
+    src.add_argument("--dataset", metavar="NAME",
+                     help="a `datasets` dataset, streamed: a hub name, a local dataset directory, or a "
+                          "directory written by Dataset.save_to_disk")
+    src.add_argument("--dataset-config", metavar="C", help="the dataset's configuration name")
+    src.add_argument("--split", default="train", metavar="SPLIT", help="the dataset split to read (default: train)")
+    src.add_argument("--max-docs", type=size, metavar="N", help="stop after N documents")
+    src.add_argument("--max-tokens", type=size, metavar="N",
+                     help="stop once N tokens are written (whole documents: the last may overshoot)")
+    tok = p.add_argument_group("tokenizer")
+    tok.add_argument("--vocab-size", type=size, metavar="V",
+                     help=f"train a byte-level BPE with V tokens, specials included "
+                          f"(default {DEFAULT_VOCAB_SIZE})")
+    tok.add_argument("--tokenizer-sample-bytes", type=size, metavar="N",
+                     help="train the tokenizer on the first N bytes of text (default 300M)")
+    tok.add_argument("--tokenizer", metavar="PATH",
+                     help="reuse a tokenizer (tokenizer.json or a local HF tokenizer directory) "
+                          "instead of training one")
+    out = p.add_argument_group("output")
+    out.add_argument("--out", required=True, metavar="DIR", help="output directory")
+    out.add_argument("--overwrite", action="store_true",
+                     help="replace an existing output directory (only if it holds nothing but a "
+                          "previous prepare_data.py output)")
+    out.add_argument("--shard-tokens", type=size, default=100_000_000, metavar="N",
+                     help="at most N tokens per shard (default 100M)")
+    out.add_argument("--val-fraction", type=float, default=0.005, metavar="F",
+                     help="fraction of the documents in the val split (default 0.005)")
+    out.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the train/val split (default 0)")
+    args = p.parse_args(argv)
+
+    if not args.input and not args.dataset:
+        raise DataError("no inputs: give --input PATH ... and/or --dataset NAME")
+    if not 0.0 < args.val_fraction < 1.0:
+        raise DataError(f"--val-fraction {args.val_fraction} must be between 0 and 1 (exclusive)")
+    if args.tokenizer is not None:
+        for flag in ("vocab_size", "tokenizer_sample_bytes"):
+            if getattr(args, flag) is not None:
+                raise DataError(f"--{flag.replace('_', '-')} cannot be combined with --tokenizer "
+                                f"(the given tokenizer fixes the vocabulary)")
+    else:
+        if args.vocab_size is None:
+            args.vocab_size = DEFAULT_VOCAB_SIZE
+        if args.tokenizer_sample_bytes is None:
+            args.tokenizer_sample_bytes = 300_000_000
+        minimum = N_BYTES + 2
+        if args.vocab_size < minimum:
+            raise DataError(f"--vocab-size {args.vocab_size} is below the {N_BYTES} byte tokens + 2 "
+                            f"special tokens ({minimum})")
+    return args
+
+
+# ---------------------------------------------------------------------------------------------------
+# Inputs
+
+
+def _matches(rel: str, patterns: list[str]) -> bool:
+    name = rel.rsplit("/", 1)[-1]
+    return any(fnmatch.fnmatchcase(rel if "/" in pat else name, pat) for pat in patterns)
+
+
+def find_files(inputs: list[str], globs: list[str], excludes: list[str]) -> list[tuple[str, list[Path]]]:
+    """Per --input: the files it names, in a deterministic (sorted) order, each file at most once.
+
+    --glob and --exclude filter what is found by walking directories; a file named on the command
+    line is always read.
+    """
+    seen: set[Path] = set()
+    found = []
+    for given in inputs:
+        root = Path(given)
+        if root.is_file():
+            candidates = [root]
+        elif root.is_dir():
+            candidates = []
+            for dirpath, dirnames, filenames in os.walk(root):
+                rel_dir = Path(dirpath).relative_to(root).as_posix()
+                prefix = "" if rel_dir == "." else rel_dir + "/"
+                dirnames[:] = sorted(d for d in dirnames if not _matches(prefix + d, excludes))
+                for name in sorted(filenames):
+                    rel = prefix + name
+                    if (not globs or _matches(rel, globs)) and not _matches(rel, excludes):
+                        candidates.append(Path(dirpath, name))
+        elif root.exists():
+            raise DataError(f"--input {given}: not a file or directory")
+        else:
+            raise DataError(f"--input {given}: no such file or directory")
+        files = []
+        for path in candidates:
+            if not path.is_file():  # a broken link, a socket...
+                warn(f"skipping {path}: not a regular file")
+                continue
+            key = path.resolve()
+            if key not in seen:
+                seen.add(key)
+                files.append(path)
+        found.append((given, files))
+    return found
+
+
+def _import_datasets():
+    import datasets
+
+    # Failures become one-line errors of ours; datasets would also log them, and draw progress bars.
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
+    return datasets
+
+
+class Corpus:
+    """The documents of all inputs, in a fixed order: files (sorted) first, then the dataset.
+
+    `documents()` can be iterated more than once (the tokenizer sample, then the full pass). Empty
+    documents are dropped; files that are not UTF-8 are skipped with a warning naming them.
+    """
+
+    def __init__(self, files: list[Path], dataset: str | None, dataset_config: str | None,
+                 split: str, text_column: str, max_docs: int | None):
+        self.files, self.dataset, self.dataset_config = files, dataset, dataset_config
+        self.split, self.text_column, self.max_docs = split, text_column, max_docs
+        self.skipped: dict[str, str] = {}  # path -> reason
+        self.empty = 0
+        self._warned: set[str] = set()
+
+    def _warn_once(self, msg: str) -> None:
+        if msg not in self._warned:
+            self._warned.add(msg)
+            warn(msg)
+
+    def documents(self) -> Iterator[tuple[str, bytes]]:
+        """Yields (text, its UTF-8 bytes) for every non-empty document, at most --max-docs."""
+        self.empty = 0
+        n = 0
+        for text, data in self._all():
+            if not text:
+                self.empty += 1
+                continue
+            yield text, data
+            n += 1
+            if self.max_docs is not None and n >= self.max_docs:
+                return
+
+    def _all(self) -> Iterator[tuple[str, bytes]]:
+        for path in self.files:
+            kind = RECORD_KINDS.get(path.suffix.lower())
+            if kind is None:
+                data = path.read_bytes()
+                try:
+                    text = data.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    self.skipped[str(path)] = f"not valid UTF-8 (byte {data[e.start]:#04x} at offset {e.start})"
+                    self._warn_once(f"skipping {path}: {self.skipped[str(path)]}")
+                    continue
+                yield text, data
+            else:
+                yield from self._records(str(path), self._open_records(path, kind))
+        if self.dataset is not None:
+            yield from self._records(f"--dataset {self.dataset}", self._open_dataset())
+
+    @staticmethod
+    def _open_records(path: Path, kind: str):
+        datasets = _import_datasets()
+        try:
+            return datasets.load_dataset(kind, data_files=str(path), split="train", streaming=True)
+        except Exception as e:  # datasets raises many types; the message is what the user needs
+            raise DataError(f"{path}: cannot read records: {one_line(e)}") from None
+
+    def _open_dataset(self):
+        datasets = _import_datasets()
+        name, local = self.dataset, Path(self.dataset)
+        if not local.exists() and (local.is_absolute() or name.startswith(("./", "../", "~"))):
+            raise DataError(f"--dataset {name}: no such directory")
+        saved = local.is_dir() and any((local / f).is_file() for f in
+                                       ("dataset_info.json", "state.json", "dataset_dict.json"))
+        try:
+            if saved:  # written by save_to_disk: memory-mapped Arrow, read in batches
+                ds = datasets.load_from_disk(str(local))
+                if isinstance(ds, datasets.DatasetDict):
+                    if self.split not in ds:
+                        raise DataError(f"--dataset {name}: no split {self.split!r} "
+                                        f"(splits: {', '.join(ds)})")
+                    ds = ds[self.split]
+                return ds
+            return datasets.load_dataset(name, self.dataset_config, split=self.split, streaming=True)
+        except DataError:
+            raise
+        except Exception as e:
+            raise DataError(f"--dataset {name}: {one_line(e)}") from None
+
+    def _records(self, where: str, ds) -> Iterator[tuple[str, bytes]]:
+        col = self.text_column
+        columns = ds.column_names
+        if columns is not None and col not in columns:
+            raise DataError(f"{where}: no text column {col!r} (columns: {', '.join(columns)}); "
+                            f"use --text-column")
+        try:
+            if columns is not None and len(columns) > 1:
+                ds = ds.select_columns([col])
+            batches = iter(ds.iter(batch_size=RECORD_BATCH))
+            row = 0
+            while True:
+                try:
+                    batch = next(batches)
+                except StopIteration:
+                    return
+                if col not in batch:
+                    raise DataError(f"{where}: no text column {col!r} (columns: {', '.join(batch)}); "
+                                    f"use --text-column")
+                for text in batch[col]:
+                    row += 1
+                    if text is None:
+                        text = ""
+                    if not isinstance(text, str):
+                        raise DataError(f"{where}: column {col!r} holds {type(text).__name__}, "
+                                        f"not text (record {row})")
+                    try:
+                        data = text.encode("utf-8")
+                    except UnicodeEncodeError:  # a lone surrogate from a JSON escape
+                        self._warn_once(f"skipping record {row} of {where}: not valid Unicode")
+                        continue
+                    yield text, data
+        except DataError:
+            raise
+        except Exception as e:
+            raise DataError(f"{where}: cannot read records: {one_line(e)}") from None
+
+
+# ---------------------------------------------------------------------------------------------------
+# Tokenizer
+
+
+def train_tokenizer(texts: Iterator[str], vocab_size: int, show_progress: bool):
+    """Byte-level BPE: every byte is a token, so any text encodes, and decoding gives it back exactly
+    (no normaliser; ByteLevel pre-tokenizer without a prefix space; ByteLevel decoder)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS_TOKEN, PAD_TOKEN],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=show_progress)
+    tok.train_from_iterator(texts, trainer)
+    return tok
+
+
+def _token_name(value) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string, {"content": ...} or null."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+class TokenizerSpec:
+    """tokenizer.json text, its special tokens, and the transformers files to write beside it."""
+
+    def __init__(self, json_text: str, tokenizer, eos: str, bos: str | None, pad: str | None,
+                 hf_files: dict[str, bytes] | None = None, source: str = "trained"):
+        self.json_text, self.tokenizer, self.source = json_text, tokenizer, source
+        self.eos, self.bos, self.pad = eos, bos, pad
+        self.eos_id = self._id(eos)
+        self.bos_id = self._id(bos) if bos is not None else None
+        self.pad_id = self._id(pad) if pad is not None else None
+        vocab = self.tokenizer.get_vocab(with_added_tokens=True)
+        # get_vocab_size() is the contract; a tokenizer with holes in its ids still keeps every id
+        # below vocab_size.
+        self.vocab_size = max(self.tokenizer.get_vocab_size(with_added_tokens=True), max(vocab.values()) + 1)
+        self.hf_files = hf_files if hf_files is not None else self._hf_files()
+
+    def _id(self, token: str) -> int:
+        i = self.tokenizer.token_to_id(token)
+        if i is None:
+            raise DataError(f"--tokenizer {self.source}: special token {token!r} is not in the vocabulary")
+        return i
+
+    def _hf_files(self) -> dict[str, bytes]:
+        # Written by hand rather than by transformers' save_pretrained, whose output depends on the
+        # installed version (5.x names a class 4.x cannot load, and rewrites tokenizer.json). These
+        # two files load with AutoTokenizer in transformers 4.x and 5.x.
+        specials = {k: v for k, v in (("bos_token", self.bos), ("eos_token", self.eos),
+                                      ("pad_token", self.pad)) if v is not None}
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", **specials,
+                  "clean_up_tokenization_spaces": False, "add_bos_token": False, "add_eos_token": False}
+        return {"tokenizer_config.json": (json.dumps(config, indent=2) + "\n").encode(),
+                "special_tokens_map.json": (json.dumps(specials, indent=2) + "\n").encode()}
+
+    @classmethod
+    def trained(cls, tokenizer) -> "TokenizerSpec":
+        from tokenizers import Tokenizer
+
+        json_text = tokenizer.to_str(pretty=True)
+        # Encode with exactly what is saved.
+        return cls(json_text, Tokenizer.from_str(json_text), EOS_TOKEN, EOS_TOKEN, PAD_TOKEN)
+
+    @classmethod
+    def load(cls, given: str) -> "TokenizerSpec":
+        """A tokenizer.json file, or a directory holding one (and maybe the transformers files)."""
+        path = Path(given)
+        if path.is_dir():
+            folder, file = path, path / "tokenizer.json"
+            if not file.is_file():
+                raise DataError(f"--tokenizer {given}: no tokenizer.json in this directory")
+        elif path.is_file():
+            folder, file = (path.parent if path.name == "tokenizer.json" else None), path
+        else:
+            raise DataError(f"--tokenizer {given}: no such file or directory")
+        from tokenizers import Tokenizer
+
+        try:
+            json_text = file.read_text(encoding="utf-8")
+            tokenizer = Tokenizer.from_str(json_text)
+        except Exception as e:  # UnicodeDecodeError, or the Rust parser's error
+            raise DataError(f"--tokenizer {given}: not a tokenizers JSON file ({one_line(e)})") from None
+
+        hf_files: dict[str, bytes] = {}
+        specials: dict[str, str | None] = {}
+        if folder is not None:
+            for name in ("special_tokens_map.json", "tokenizer_config.json"):  # the config wins
+                f = folder / name
+                if f.is_file():
+                    hf_files[name] = f.read_bytes()
+                    try:
+                        cfg = json.loads(hf_files[name])
+                    except ValueError as e:
+                        raise DataError(f"--tokenizer {given}: {f} is not JSON ({e})") from None
+                    for key in ("eos_token", "bos_token", "pad_token"):
+                        if _token_name(cfg.get(key)) is not None:
+                            specials[key] = _token_name(cfg.get(key))
+        known = tokenizer.token_to_id
+        eos = specials.get("eos_token") or (EOS_TOKEN if known(EOS_TOKEN) is not None else None)
+        if eos is None:
+            raise DataError(f"--tokenizer {given}: no end-of-text token (no {EOS_TOKEN!r} and no "
+                            f"eos_token in a tokenizer_config.json beside it)")
+        pad = specials.get("pad_token") or (PAD_TOKEN if known(PAD_TOKEN) is not None else None)
+        if "tokenizer_config.json" not in hf_files:
+            hf_files = None  # write our own, from the specials found
+        return cls(json_text, tokenizer, eos, specials.get("bos_token") or eos, pad, hf_files, given)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Output
+
+
+class _HashingWriter:
+    def __init__(self, f):
+        self.f, self.sha = f, hashlib.sha256()
+
+    def write(self, data) -> int:
+        self.sha.update(data)
+        return self.f.write(data)
+
+
+def write_atomic(path: Path, data: bytes | np.ndarray) -> str:
+    """Write bytes or a .npy array under a temporary name, fsync, rename; return the file's sha256."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        w = _HashingWriter(f)
+        if isinstance(data, np.ndarray):
+            np.lib.format.write_array(w, data, allow_pickle=False)
+        else:
+            w.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return w.sha.hexdigest()
+
+
+class ShardWriter:
+    """One split's token stream, cut into shards of exactly `shard_tokens` tokens (the last: fewer)."""
+
+    def __init__(self, folder: Path, split: str, dtype, shard_tokens: int):
+        self.folder, self.split, self.dtype, self.shard_tokens = folder, split, dtype, shard_tokens
+        self.pending: list[np.ndarray] = []
+        self.n_pending = 0
+        self.shards: list[dict] = []
+        self.documents = 0
+        self.tokens = 0
+
+    def add(self, ids: list[int], documents: int) -> None:
+        """Append token ids (already eos-terminated documents)."""
+        if not ids:
+            return
+        arr = np.array(ids, dtype=self.dtype)  # raises if an id does not fit the dtype
+        self.pending.append(arr)
+        self.n_pending += arr.size
+        self.documents += documents
+        self.tokens += arr.size
+        if self.n_pending >= self.shard_tokens:
+            stream = np.concatenate(self.pending)
+            full = stream.size // self.shard_tokens * self.shard_tokens
+            for start in range(0, full, self.shard_tokens):
+                self._write(stream[start:start + self.shard_tokens])
+            rest = stream[full:].copy()  # not a view that keeps the whole stream alive
+            self.pending, self.n_pending = ([rest] if rest.size else []), rest.size
+
+    def close(self) -> dict:
+        if self.n_pending:
+            self._write(np.concatenate(self.pending))
+        self.pending, self.n_pending = [], 0
+        return {"documents": self.documents, "tokens": self.tokens, "shards": self.shards}
+
+    def _write(self, arr: np.ndarray) -> None:
+        name = f"{self.split}_{len(self.shards):05d}.npy"
+        sha = write_atomic(self.folder / name, np.ascontiguousarray(arr))
+        self.shards.append({"file": name, "tokens": int(arr.size), "sha256": sha})
+
+
+def split_hasher(seed: int):
+    return hashlib.blake2b(digest_size=8, key=hashlib.sha256(str(seed).encode()).digest())
+
+
+def split_key(hasher, data: bytes) -> float:
+    """A document's place in [0, 1), from its content and the seed (in `hasher`): identical documents
+    always land in the same split, so val never holds a verbatim copy of a train document. A
+    document is in val when its key is below --val-fraction."""
+    h = hasher.copy()
+    h.update(data)
+    return int.from_bytes(h.digest(), "little") / 2.0**64
+
+
+def check_out(out: Path, given: str, overwrite: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise DataError(f"--out {given}: is a file, not a directory")
+    if not out.is_dir():
+        return
+    entries = sorted(p.name for p in out.iterdir())
+    if not entries:
+        return
+    if not overwrite:
+        raise DataError(f"--out {given}: directory is not empty ({len(entries)} entries); "
+                        f"pass --overwrite to replace it")
+    ours = set(TOKENIZER_FILES) | {"meta.json"}
+    for name in entries:
+        if not (name in ours or fnmatch.fnmatchcase(name, "train_*.npy")
+                or fnmatch.fnmatchcase(name, "val_*.npy")):
+            raise DataError(f"--out {given}: holds {name!r}, which {PROG} does not write; "
+                            f"refusing to replace the directory")
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def install(staging: Path, out: Path) -> None:
+    """Put the finished staging directory at `out`, replacing an old output there."""
+    _fsync_dir(staging)
+    if out.exists():
+        old = out.with_name(f".{out.name}.old-{os.getpid()}-{secrets.token_hex(4)}")
+        os.rename(out, old)
+        try:
+            os.rename(staging, out)
+        except BaseException:
+            os.rename(old, out)
+            raise
+        shutil.rmtree(old)
+    else:
+        os.rename(staging, out)
+    _fsync_dir(out.parent)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The pipeline
+
+
+def _batches(docs: Iterator[tuple[str, bytes]]) -> Iterator[tuple[list[str], list[bytes]]]:
+    texts, datas, nbytes = [], [], 0
+    for text, data in docs:
+        texts.append(text)
+        datas.append(data)
+        nbytes += len(data)
+        if nbytes >= BATCH_BYTES or len(texts) >= BATCH_DOCS:
+            yield texts, datas
+            texts, datas, nbytes = [], [], 0
+    if texts:
+        yield texts, datas
+
+
+def _sample(docs: Iterator[tuple[str, bytes]], limit: int, stats: dict) -> Iterator[str]:
+    """The first documents, up to `limit` bytes (the last one may overshoot); counts them in stats."""
+    for text, data in docs:
+        stats["sample_documents"] += 1
+        stats["sample_bytes"] += len(data)
+        yield text
+        if stats["sample_bytes"] >= limit:
+            return
+
+
+def prepare(args: argparse.Namespace, argv: list[str]) -> str:
+    t0 = time.time()
+    out = Path(os.path.realpath(args.out))  # a symlink to a directory: replace the directory
+    check_out(out, args.out, args.overwrite)  # before any work: an existing directory is never touched
+    inputs = find_files(args.input, args.glob, args.exclude)
+    files = [f for _, fs in inputs for f in fs]
+    if not files and args.dataset is None:
+        raise DataError(f"no input files in {', '.join(args.input)}"
+                        + (f" matching --glob {' '.join(args.glob)}" if args.glob else ""))
+    corpus = Corpus(files, args.dataset, args.dataset_config, args.split, args.text_column, args.max_docs)
+    interactive = sys.stderr.isatty()
+
+    if args.tokenizer is not None:
+        spec = TokenizerSpec.load(args.tokenizer)
+        tokenizer_meta = {"source": args.tokenizer}
+    else:
+        tokenizer_meta = {"source": "trained", "vocab_size_requested": args.vocab_size,
+                          "sample_documents": 0, "sample_bytes": 0}
+        trained = train_tokenizer(_sample(corpus.documents(), args.tokenizer_sample_bytes, tokenizer_meta),
+                                  args.vocab_size, interactive)
+        if tokenizer_meta["sample_documents"] == 0:
+            raise DataError(_no_documents(corpus))
+        spec = TokenizerSpec.trained(trained)
+        if spec.vocab_size < args.vocab_size:
+            warn(f"the tokenizer has {spec.vocab_size} tokens, fewer than --vocab-size "
+                 f"{args.vocab_size}: its {tokenizer_meta['sample_bytes']:,}-byte sample has no more "
+                 f"pairs to merge")
+    dtype = np.uint16 if spec.vocab_size <= 1 << 16 else np.uint32
+
+    created = [p for p in [out.parent, *out.parent.parents] if not p.exists()]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = out.with_name(f".{out.name}.partial-{os.getpid()}-{secrets.token_hex(4)}")
+    staging.mkdir()
+    try:
+        tokenizer_sha = write_atomic(staging / "tokenizer.json", spec.json_text.encode())
+        for name, data in spec.hf_files.items():
+            write_atomic(staging / name, data)
+        splits = encode_corpus(corpus, spec, dtype, staging, args, interactive)
+        meta = {
+            "format_version": FORMAT_VERSION,
+            "vocab_size": spec.vocab_size,
+            "dtype": np.dtype(dtype).name,
+            "eos_id": spec.eos_id, "bos_id": spec.bos_id, "pad_id": spec.pad_id,
+            "eos_token": spec.eos, "bos_token": spec.bos, "pad_token": spec.pad,
+            "tokenizer_file": "tokenizer.json", "tokenizer_sha256": tokenizer_sha,
+            "tokenizer": tokenizer_meta,
+            "splits": splits,
+            "seed": args.seed, "val_fraction": args.val_fraction, "shard_tokens": args.shard_tokens,
+            "max_docs": args.max_docs, "max_tokens": args.max_tokens,
+            "inputs": [{"path": given, "files": len(fs)} for given, fs in inputs]
+                      + ([{"dataset": args.dataset, "config": args.dataset_config, "split": args.split,
+                           "text_column": args.text_column}] if args.dataset else []),
+            "skipped_files": [{"path": p, "reason": r} for p, r in corpus.skipped.items()],
+            "empty_documents_dropped": corpus.empty,
+            "command": shlex.join([PROG, *argv]),
+            "created_by": PROG,
+        }
+        write_atomic(staging / "meta.json", (json.dumps(meta, indent=2) + "\n").encode())
+        install(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        for p in created:  # the parents this run made, innermost first
+            try:
+                p.rmdir()
+            except OSError:
+                break
+        raise
+
+    tr, va = splits["train"], splits["val"]
+    elapsed = time.time() - t0
+    tokens = tr["tokens"] + va["tokens"]
+    shards = lambda n: f"{n} shard" + ("s" if n != 1 else "")
+    return (f"{PROG}: wrote {args.out}: train {tr['documents']:,} docs {tr['tokens']:,} tokens "
+            f"({shards(len(tr['shards']))}), val {va['documents']:,} docs {va['tokens']:,} tokens "
+            f"({shards(len(va['shards']))}); vocab {spec.vocab_size} ({np.dtype(dtype).name}); "
+            f"{elapsed:.1f} s, {tokens / max(elapsed, 1e-9):,.0f} tokens/s")
+
+
+def _no_documents(corpus: Corpus) -> str:
+    skipped = f", {len(corpus.skipped)} unreadable files skipped" if corpus.skipped else ""
+    return f"no documents: every input is empty ({corpus.empty} empty documents{skipped})"
+
+
+def encode_corpus(corpus: Corpus, spec: TokenizerSpec, dtype, folder: Path,
+                  args: argparse.Namespace, interactive: bool) -> dict:
+    """Encode every document and route it to train or val; returns meta.json's "splits"."""
+    from tqdm import tqdm
+
+    encoder = spec.tokenizer
+    # Documents are raw text: a literal "<|endoftext|>" in one is text, not a document boundary.
+    encoder.encode_special_tokens = True
+    eos = spec.eos_id
+    hasher = split_hasher(args.seed)
+    writers = {s: ShardWriter(folder, s, dtype, args.shard_tokens) for s in ("train", "val")}
+    # One document per split is held back: the train document closest to the val threshold and the
+    # val document farthest from it. At the end they move if a split would otherwise be empty.
+    reserve: dict[str, tuple[float, list[int]] | None] = {"train": None, "val": None}
+    assigned = {"train": 0, "val": 0}
+    total_tokens = 0
+    stop = False
+
+    def encode(texts):
+        return encoder.encode_batch_fast(texts, add_special_tokens=False)
+
+    def consume(datas, encodings):
+        nonlocal total_tokens, stop
+        flat = {"train": [], "val": []}
+        ndocs = {"train": 0, "val": 0}
+        done = 0
+        for data, enc in zip(datas, encodings):
+            done += 1
+            ids = enc.ids
+            ids.append(eos)
+            total_tokens += len(ids)
+            key = split_key(hasher, data)
+            split = "val" if key < args.val_fraction else "train"
+            assigned[split] += 1
+            held = reserve[split]
+            if held is None or (key < held[0] if split == "train" else key > held[0]):
+                reserve[split] = (key, ids)
+                ids = held[1] if held is not None else None
+            if ids is not None:
+                flat[split].extend(ids)
+                ndocs[split] += 1
+            if args.max_tokens is not None and total_tokens >= args.max_tokens:
+                stop = True
+                break
+        for split in flat:
+            writers[split].add(flat[split], ndocs[split])
+        return done
+
+    bar = tqdm(desc="encoding", unit="doc", disable=not interactive, dynamic_ncols=True)
+    t0 = time.time()
+    with ThreadPoolExecutor(max_workers=1) as pool:  # encode batch k+1 while storing batch k
+        pending = None
+        for texts, datas in _batches(corpus.documents()):
+            job = (datas, pool.submit(encode, texts))
+            if pending is not None:
+                bar.update(consume(pending[0], pending[1].result()))
+            pending = job
+            bar.set_postfix_str(f"{total_tokens / max(time.time() - t0, 1e-9) / 1e6:.2f}M tok/s",
+                                refresh=False)
+            if stop:
+                break
+        if pending is not None and not stop:
+            bar.update(consume(pending[0], pending[1].result()))
+    bar.close()
+
+    n_docs = assigned["train"] + assigned["val"]
+    if n_docs == 0:
+        raise DataError(_no_documents(corpus))
+    moves = {"train": "train", "val": "val"}
+    if assigned["val"] == 0 and assigned["train"] >= 2:
+        moves["train"] = "val"
+    elif assigned["train"] == 0:
+        moves["val"] = "train"
+    for split, dest in moves.items():
+        if reserve[split] is not None:
+            writers[dest].add(reserve[split][1], 1)
+    if writers["val"].documents == 0:
+        warn("only one document: the val split is empty")
+    return {split: w.close() for split, w in writers.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
+    try:
+        args = parse_args(argv)
+        summary = prepare(args, argv)
+    except SystemExit as e:  # --help
+        return e.code if isinstance(e.code, int) else 0
+    except DataError as e:
+        print(f"{PROG}: error: {one_line(e)}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        where = f": {e.filename}" if e.filename else ""
+        print(f"{PROG}: error: {e.strerror or one_line(e)}{where}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted; nothing was written", file=sys.stderr)
+        return 130
+    print(summary, flush=True)
+    return 0
+
+
+def _terminate(signum, frame):
+    raise KeyboardInterrupt  # clean up the staging directory as for Ctrl+C
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, _terminate)
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""Shared fixtures.
+
+`stdlib_data`: a small prepared data directory (the contract of prepare_data.py) built from a few
+packages of the local Python standard library, for every test that needs real token shards
+(`data.dir` in a training config). `prepare_data_cli`: runs prepare_data.py as a subprocess.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # the top-level scripts (prepare_data.py, model.py, ...) are modules
+    sys.path.insert(0, str(ROOT))
+
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
+# ~1.6 MB of .py files: 3 train shards of 200k tokens at vocabulary 512.
+STDLIB_PACKAGES = ("json", "email", "asyncio", "collections", "logging", "concurrent")
+STDLIB_DATA_ARGS = ["--glob", "*.py", "--vocab-size", "512", "--seed", "0",
+                    "--val-fraction", "0.05", "--shard-tokens", "200k"]
+
+
+def stdlib_inputs(packages=STDLIB_PACKAGES) -> list[str]:
+    return [str(STDLIB / p) for p in packages]
+
+
+@pytest.fixture(scope="session")
+def stdlib_data(tmp_path_factory) -> Path:
+    """Path of a prepared data directory: tokenizer files, meta.json, >= 2 train shards, val shards."""
+    import prepare_data
+
+    out = tmp_path_factory.mktemp("stdlib_data") / "data"
+    rc = prepare_data.main(["--input", *stdlib_inputs(), *STDLIB_DATA_ARGS, "--out", str(out)])
+    assert rc == 0, "prepare_data.py failed to build the stdlib_data fixture"
+    return out
+
+
+def run_prepare_data(*args, env: dict | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
+    """Run `python prepare_data.py ARGS...` in a fresh interpreter; returns the completed process."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run([sys.executable, str(ROOT / "prepare_data.py"), *map(str, args)],
+                          capture_output=True, text=True, env=full_env, timeout=timeout, cwd=ROOT)
+
+
+@pytest.fixture
+def prepare_data_cli():
+    return run_prepare_data

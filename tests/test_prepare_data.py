@@ -1,0 +1,530 @@
+"""prepare_data.py: round trip, transformers compatibility, shard contract, determinism, inputs, errors."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import prepare_data
+from conftest import STDLIB, STDLIB_DATA_ARGS, stdlib_inputs
+
+TRICKY = {
+    "crlf.txt": "line one\r\nline two\r\n\r\n",
+    "specials.txt": "before <|endoftext|> middle <|pad|> after<|endoftext|>",
+    "unicode.txt": "naïve café 🙂 \u0301e\u0301 漢字 \x00 nul \ufeff bom inside\n",
+    "bom.txt": "\ufeffstarts with a byte order mark",
+    "spaces.txt": "   \t  \n\n    ",
+    "trailing.py": "def f():\n    return 1    \n\t\n",
+}
+
+
+# --- helpers ----------------------------------------------------------------------------------------
+
+
+def meta_of(d: Path) -> dict:
+    return json.loads((d / "meta.json").read_text())
+
+
+def stream(d: Path, split: str) -> np.ndarray:
+    shards = meta_of(d)["splits"][split]["shards"]
+    if not shards:
+        return np.zeros(0, dtype=np.int64)
+    return np.concatenate([np.load(d / s["file"], mmap_mode="r") for s in shards])
+
+
+def documents(d: Path, split: str) -> list[str]:
+    """Decode a split back into documents, splitting its token stream at end-of-text."""
+    from tokenizers import Tokenizer
+
+    meta = meta_of(d)
+    ids = stream(d, split)
+    if ids.size:
+        assert ids[-1] == meta["eos_id"], "a split's stream must end with end-of-text"
+    cuts = np.flatnonzero(ids == meta["eos_id"])
+    starts = np.concatenate([[0], cuts[:-1] + 1])
+    tok = Tokenizer.from_file(str(d / "tokenizer.json"))
+    return tok.decode_batch([ids[a:b].tolist() for a, b in zip(starts, cuts)], skip_special_tokens=False)
+
+
+def all_documents(d: Path) -> Counter:
+    return Counter(documents(d, "train")) + Counter(documents(d, "val"))
+
+
+def source_documents(roots, suffix=".py") -> Counter:
+    """The documents a run should produce from these directories: non-empty UTF-8 files."""
+    docs = Counter()
+    for root in roots:
+        for path in Path(root).rglob(f"*{suffix}"):
+            try:
+                text = path.read_bytes().decode("utf-8")
+            except UnicodeDecodeError:
+                continue
+            if text:
+                docs[text] += 1
+    return docs
+
+
+def snapshot(d: Path) -> dict:
+    return {p.relative_to(d).as_posix(): (p.read_bytes(), p.stat().st_mtime_ns)
+            for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def write_docs(folder: Path, docs: dict[str, str | bytes]) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, text in docs.items():
+        (folder / name).write_bytes(text if isinstance(text, bytes) else text.encode())
+    return folder
+
+
+def write_jsonl(path: Path, records: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def run(*args) -> int:
+    return prepare_data.main([str(a) for a in args])
+
+
+# --- Done when 1: round trip ------------------------------------------------------------------------
+
+
+def test_round_trip_stdlib_subset(stdlib_data):
+    assert all_documents(stdlib_data) == source_documents(stdlib_inputs())
+
+
+@pytest.mark.slow
+def test_round_trip_large_stdlib(stdlib_data, tmp_path):
+    """The standard library minus its test suite and site-packages (~14 MB, ~860 files), encoded with
+    the fixture's tokenizer (training is covered elsewhere; the round trip must hold for any merges)."""
+    out = tmp_path / "out"
+    assert run("--input", STDLIB, "--glob", "*.py", "--exclude", "site-packages", "--exclude", "test",
+               "--tokenizer", stdlib_data, "--out", out) == 0
+    expected = Counter()
+    for path in STDLIB.rglob("*.py"):
+        rel = path.relative_to(STDLIB).parts
+        if "site-packages" in rel or "test" in rel:
+            continue
+        try:
+            text = path.read_bytes().decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+        expected[text] += bool(text)
+    expected = +expected
+    assert sum(expected.values()) > 500
+    assert all_documents(out) == expected
+
+
+def test_round_trip_tricky_text_and_skips(tmp_path, capsys):
+    src = write_docs(tmp_path / "src", {**TRICKY, "latin1.txt": "caf\xe9".encode("latin-1"),
+                                        "empty.txt": ""})
+    out = tmp_path / "out"
+    assert run("--input", src, "--vocab-size", 300, "--out", out) == 0
+    err = capsys.readouterr().err
+    assert f"skipping {src / 'latin1.txt'}: not valid UTF-8" in err
+    assert all_documents(out) == Counter(TRICKY.values())
+    meta = meta_of(out)
+    assert meta["skipped_files"] == [{"path": str(src / "latin1.txt"),
+                                      "reason": "not valid UTF-8 (byte 0xe9 at offset 3)"}]
+    assert meta["empty_documents_dropped"] == 1
+    # A literal "<|endoftext|>" inside a document is text: exactly one end-of-text per document.
+    assert sum(int((stream(out, s) == meta["eos_id"]).sum()) for s in ("train", "val")) == len(TRICKY)
+
+
+@pytest.fixture(scope="module")
+def fixture_tokenizer(stdlib_data):
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(stdlib_data / "tokenizer.json"))
+    tok.encode_special_tokens = True  # as prepare_data.py encodes documents
+    return tok
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=st.text(max_size=200))
+def test_any_text_round_trips_without_end_of_text(fixture_tokenizer, stdlib_data, text):
+    ids = fixture_tokenizer.encode(text, add_special_tokens=False).ids
+    assert fixture_tokenizer.decode(ids, skip_special_tokens=False) == text
+    assert meta_of(stdlib_data)["eos_id"] not in ids
+    assert all(0 <= i < 512 for i in ids)
+
+
+# --- Done when 2: transformers ----------------------------------------------------------------------
+
+
+def test_autotokenizer_matches_trained_tokenizer(stdlib_data):
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    meta = meta_of(stdlib_data)
+    hf = AutoTokenizer.from_pretrained(stdlib_data)
+    tok = Tokenizer.from_file(str(stdlib_data / "tokenizer.json"))
+    assert (hf.eos_token_id, hf.bos_token_id, hf.pad_token_id) == (meta["eos_id"], meta["bos_id"], meta["pad_id"])
+    assert hf.eos_token == "<|endoftext|>" and hf.pad_token == "<|pad|>"
+    assert len(hf) == meta["vocab_size"] == 512
+    texts = sorted(source_documents([STDLIB / "json"]))[:5] + [t for t in TRICKY.values() if "<|" not in t]
+    for text in texts:
+        ids = tok.encode(text, add_special_tokens=False).ids
+        assert hf.encode(text, add_special_tokens=False) == ids
+        assert hf(text)["input_ids"] == ids  # no special tokens added by default
+        assert hf.decode(ids) == text  # no clean-up of spaces
+
+
+# --- Done when 3: the shard contract ----------------------------------------------------------------
+
+
+def test_shards_agree_with_meta(stdlib_data):
+    meta = meta_of(stdlib_data)
+    assert meta["format_version"] == 1 and meta["created_by"] == "prepare_data.py"
+    assert meta["dtype"] == "uint16" and meta["vocab_size"] == 512
+    assert meta["tokenizer_file"] == "tokenizer.json"
+    assert meta["tokenizer_sha256"] == hashlib.sha256((stdlib_data / "tokenizer.json").read_bytes()).hexdigest()
+    assert len(meta["splits"]["train"]["shards"]) >= 2
+    for split in ("train", "val"):
+        info = meta["splits"][split]
+        assert info["documents"] >= 1
+        for i, shard in enumerate(info["shards"]):
+            path = stdlib_data / shard["file"]
+            assert shard["file"] == f"{split}_{i:05d}.npy"
+            arr = np.load(path, mmap_mode="r")
+            assert arr.ndim == 1 and arr.dtype == np.dtype(meta["dtype"])
+            assert arr.size == shard["tokens"]
+            assert shard["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
+            assert int(arr.max()) < meta["vocab_size"]
+            if i < len(info["shards"]) - 1:
+                assert arr.size == meta["shard_tokens"]
+            else:
+                assert 0 < arr.size <= meta["shard_tokens"]
+        ids = stream(stdlib_data, split)
+        assert ids.size == info["tokens"] == sum(s["tokens"] for s in info["shards"])
+        assert int((ids == meta["eos_id"]).sum()) == info["documents"]
+    names = {p.name for p in stdlib_data.iterdir()}
+    assert names == {"meta.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                     *(s["file"] for sp in meta["splits"].values() for s in sp["shards"])}
+
+
+def test_uint32_when_the_vocabulary_does_not_fit_uint16(tmp_path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab.update({f"x{i}": 256 + i for i in range(70_000 - 256)})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<|endoftext|>"])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    src = write_docs(tmp_path / "src", {"a.txt": "hello", "b.txt": "world"})
+    out = tmp_path / "out"
+    assert run("--input", src, "--tokenizer", tmp_path / "tokenizer.json", "--out", out) == 0
+    meta = meta_of(out)
+    assert meta["dtype"] == "uint32" and meta["vocab_size"] == 70_001 and meta["eos_id"] == 70_000
+    assert stream(out, "train").dtype == np.uint32
+    assert all_documents(out) == Counter(["hello", "world"])
+
+
+# --- Done when 4: determinism -----------------------------------------------------------------------
+
+
+def test_same_arguments_give_identical_outputs(tmp_path, prepare_data_cli):
+    args = ["--input", *stdlib_inputs(("json", "collections", "concurrent")), "--glob", "*.py",
+            "--vocab-size", "400", "--seed", "3", "--val-fraction", "0.1", "--shard-tokens", "30k"]
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    assert run(*args, "--out", a) == 0
+    assert run(*args, "--out", b) == 0
+    # Also without the tokenizers thread pool: training and encoding do not depend on threading.
+    proc = prepare_data_cli(*args, "--out", c, env={"TOKENIZERS_PARALLELISM": "false"})
+    assert proc.returncode == 0, proc.stderr
+    files = sorted(p.name for p in a.iterdir())
+    assert len([f for f in files if f.startswith("train_")]) >= 2
+    for other in (b, c):
+        assert sorted(p.name for p in other.iterdir()) == files
+        for name in files:
+            if name != "meta.json":
+                assert (a / name).read_bytes() == (other / name).read_bytes(), name
+        ma, mo = meta_of(a), meta_of(other)
+        assert ma.pop("command") != mo.pop("command")  # only the --out differs
+        assert ma == mo
+
+
+def test_seed_chooses_the_validation_documents(tmp_path):
+    src = write_docs(tmp_path / "src", {f"{i:03d}.txt": f"document number {i}\n" * (i % 7 + 1)
+                                        for i in range(200)})
+    val = {}
+    for seed in (0, 1):
+        out = tmp_path / f"seed{seed}"
+        assert run("--input", src, "--vocab-size", 300, "--val-fraction", 0.2, "--seed", seed,
+                   "--out", out) == 0
+        val[seed] = set(documents(out, "val"))
+        assert 15 <= len(val[seed]) <= 70  # ~40 of 200
+        assert not val[seed] & set(documents(out, "train"))
+    assert val[0] != val[1]
+
+
+# --- the split invariants, on arbitrary corpora -----------------------------------------------------
+
+corpora = st.lists(st.text(min_size=0, max_size=60), min_size=1, max_size=25)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(docs=corpora, val_fraction=st.sampled_from([0.005, 0.3, 0.9]),
+       shard_tokens=st.integers(1, 50), seed=st.integers(0, 3))
+def test_split_invariants(stdlib_data, docs, val_fraction, shard_tokens, seed):
+    """Every non-empty document lands in exactly one split, chosen by its content and the seed; if a
+    split would be empty, one document moves there (train: always; val: when there are >= 2)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        path = write_jsonl(tmp / "docs.jsonl", [{"text": t} for t in docs])
+        out = tmp / "out"
+        rc = run("--input", path, "--tokenizer", stdlib_data, "--val-fraction", val_fraction,
+                 "--shard-tokens", shard_tokens, "--seed", seed, "--out", out)
+        kept = [t for t in docs if t]
+        if not kept:
+            assert rc == 2 and not out.exists()
+            return
+        assert rc == 0
+        hasher = prepare_data.split_hasher(seed)
+        key = {t: prepare_data.split_key(hasher, t.encode()) for t in kept}
+        want_val = Counter(t for t in kept if key[t] < val_fraction)
+        want_train = Counter(t for t in kept if key[t] >= val_fraction)
+        if not want_val and len(kept) >= 2:
+            moved = min(want_train, key=key.get)
+            want_train[moved] -= 1
+            want_val[moved] += 1
+        elif not want_train:
+            moved = max(want_val, key=key.get)
+            want_val[moved] -= 1
+            want_train[moved] += 1
+        assert Counter(documents(out, "train")) == +want_train
+        assert Counter(documents(out, "val")) == +want_val
+        meta = meta_of(out)
+        assert meta["empty_documents_dropped"] == len(docs) - len(kept)
+        for split in ("train", "val"):
+            sizes = [s["tokens"] for s in meta["splits"][split]["shards"]]
+            assert all(n == shard_tokens for n in sizes[:-1]) and all(0 < n <= shard_tokens for n in sizes)
+
+
+# --- inputs ----------------------------------------------------------------------------------------
+
+
+def test_jsonl_and_parquet_with_text_column(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    src = tmp_path / "src"
+    src.mkdir()
+    records = [f"record {i}: " + "word " * i for i in range(30)]
+    write_jsonl(src / "a.jsonl", [{"body": t, "n": i} for i, t in enumerate(records[:20])]
+                + [{"body": None, "n": 99}, {"body": "", "n": 100}])
+    pq.write_table(pa.table({"body": records[20:], "n": list(range(10))}), src / "b.parquet")
+    (src / "notes.txt").write_text("a plain text file is one document")
+    out = tmp_path / "out"
+    assert run("--input", src, "--text-column", "body", "--vocab-size", 300, "--out", out) == 0
+    assert all_documents(out) == Counter(records + ["a plain text file is one document"])
+    meta = meta_of(out)
+    assert meta["empty_documents_dropped"] == 2
+    assert meta["inputs"] == [{"path": str(src), "files": 3}]
+
+
+def test_dataset_saved_to_disk(tmp_path):
+    import datasets
+
+    texts = [f"dataset row {i}" for i in range(12)]
+    datasets.Dataset.from_dict({"content": texts, "id": list(range(12))}).save_to_disk(tmp_path / "ds")
+    out = tmp_path / "out"
+    assert run("--dataset", tmp_path / "ds", "--text-column", "content", "--vocab-size", 300,
+               "--out", out) == 0
+    assert all_documents(out) == Counter(texts)
+    assert meta_of(out)["inputs"] == [{"dataset": str(tmp_path / "ds"), "config": None, "split": "train",
+                                       "text_column": "content"}]
+
+    dd = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": texts[:6]}),
+                               "test": datasets.Dataset.from_dict({"text": texts[6:]})})
+    dd.save_to_disk(tmp_path / "dd")
+    out2 = tmp_path / "out2"
+    assert run("--dataset", tmp_path / "dd", "--split", "test", "--vocab-size", 300, "--out", out2) == 0
+    assert all_documents(out2) == Counter(texts[6:])
+
+
+def test_dataset_local_data_directory_mixed_with_files(tmp_path):
+    """A directory of data files is loaded with load_dataset(path, streaming=True)."""
+    (tmp_path / "ds").mkdir()
+    write_jsonl(tmp_path / "ds" / "part.jsonl", [{"text": f"streamed {i}"} for i in range(8)])
+    src = write_docs(tmp_path / "src", {"one.txt": "a file document"})
+    out = tmp_path / "out"
+    assert run("--input", src, "--dataset", tmp_path / "ds", "--vocab-size", 300, "--out", out) == 0
+    assert all_documents(out) == Counter([f"streamed {i}" for i in range(8)] + ["a file document"])
+
+
+def test_glob_exclude_and_duplicate_paths(tmp_path):
+    src = write_docs(tmp_path / "src", {"a.py": "a = 1\n", "b.txt": "not python"})
+    write_docs(src / "skipme", {"c.py": "c = 3\n"})
+    write_docs(src / "keep", {"d.py": "d = 4\n"})
+    out = tmp_path / "out"
+    assert run("--input", src, src / "a.py", "--glob", "*.py", "--exclude", "skipme",
+               "--vocab-size", 300, "--out", out) == 0
+    assert all_documents(out) == Counter(["a = 1\n", "d = 4\n"])  # a.py read once
+
+
+def test_max_docs_and_max_tokens(stdlib_data, tmp_path):
+    inputs = ["--input", *stdlib_inputs(("json", "collections", "concurrent")), "--glob", "*.py"]
+    out = tmp_path / "docs"
+    assert run(*inputs, "--max-docs", 5, "--vocab-size", 300, "--out", out) == 0
+    meta = meta_of(out)
+    assert meta["splits"]["train"]["documents"] + meta["splits"]["val"]["documents"] == 5
+    assert meta["tokenizer"]["sample_documents"] == 5  # the tokenizer sees only those
+
+    out = tmp_path / "tokens"
+    limit = 20_000
+    assert run(*inputs, "--max-tokens", limit, "--tokenizer", stdlib_data, "--out", out) == 0
+    meta = meta_of(out)
+    total = meta["splits"]["train"]["tokens"] + meta["splits"]["val"]["tokens"]
+    # Whole documents: the last one crosses the limit (a document has at most 1 token per byte + eos).
+    longest = max(len(d.encode()) + 1 for d in documents(out, "train") + documents(out, "val"))
+    assert limit <= total < limit + longest
+
+
+def test_tokenizer_sample_bytes_bounds_the_training_text(tmp_path):
+    src = write_docs(tmp_path / "src", {f"{i}.txt": "x" * 1000 for i in range(10)})
+    out = tmp_path / "out"
+    assert run("--input", src, "--vocab-size", 300, "--tokenizer-sample-bytes", 2500, "--out", out) == 0
+    assert meta_of(out)["tokenizer"] == {"source": "trained", "vocab_size_requested": 300,
+                                             "sample_documents": 3, "sample_bytes": 3000}
+
+
+def test_tokenizer_reuse(stdlib_data, tmp_path):
+    from tokenizers import Tokenizer
+
+    src = write_docs(tmp_path / "src", {"a.txt": "def reuse():\n    pass\n", "b.txt": "x = [1, 2]\n"})
+    meta0 = meta_of(stdlib_data)
+    for i, given in enumerate([stdlib_data, stdlib_data / "tokenizer.json"]):
+        out = tmp_path / f"out{i}"
+        assert run("--input", src, "--tokenizer", given, "--out", out) == 0
+        meta = meta_of(out)
+        assert meta["tokenizer_sha256"] == meta0["tokenizer_sha256"]  # the very same tokenizer
+        assert meta["tokenizer"] == {"source": str(given)}
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            assert (out / name).read_bytes() == (stdlib_data / name).read_bytes()
+        tok = Tokenizer.from_file(str(stdlib_data / "tokenizer.json"))
+        for text in documents(out, "train") + documents(out, "val"):
+            assert text in ("def reuse():\n    pass\n", "x = [1, 2]\n")
+        for split in ("train", "val"):
+            ids = stream(out, split).tolist()
+            docs = documents(out, split)
+            assert ids == [i for d in docs for i in tok.encode(d).ids + [meta["eos_id"]]]
+
+
+# --- output directory: overwrite, interruption ------------------------------------------------------
+
+
+def test_overwrite_replaces_a_previous_output(tmp_path):
+    src = write_docs(tmp_path / "src", {f"{i}.txt": f"text {i} " * 50 for i in range(6)})
+    out = tmp_path / "out"
+    assert run("--input", src, "--vocab-size", 300, "--shard-tokens", 40, "--out", out) == 0
+    many = {p.name for p in out.iterdir()}
+    assert run("--input", src, "--vocab-size", 300, "--out", out, "--overwrite") == 0
+    now = {p.name for p in out.iterdir()}
+    assert len(now) < len(many) and "train_00001.npy" in many and "train_00001.npy" not in now
+    assert all_documents(out) == Counter(f"text {i} " * 50 for i in range(6))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "src"]  # no leftovers
+
+
+def test_empty_existing_directory_is_used(tmp_path):
+    src = write_docs(tmp_path / "src", {"a.txt": "alpha", "b.txt": "beta"})
+    (tmp_path / "out").mkdir()
+    assert run("--input", src, "--vocab-size", 300, "--out", tmp_path / "out") == 0
+    assert (tmp_path / "out" / "meta.json").is_file()
+
+
+def test_interrupted_run_leaves_nothing(tmp_path, monkeypatch):
+    src = write_docs(tmp_path / "src", {f"{i}.txt": f"text {i} " * 50 for i in range(6)})
+    calls = []
+
+    def interrupt(self, arr):
+        calls.append(arr.size)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(prepare_data.ShardWriter, "_write", interrupt)
+    out = tmp_path / "new" / "out"
+    assert run("--input", src, "--vocab-size", 300, "--shard-tokens", 40, "--out", out) == 130
+    assert calls and not (tmp_path / "new").exists()  # staging and the parents it made are removed
+
+
+# --- bad input: one line, non-zero exit, nothing written --------------------------------------------
+
+
+def _bad_cases(tmp: Path) -> dict:
+    """name -> (args, text the message must contain, existing output directory or None)."""
+    ok = write_docs(tmp / "ok", {"a.txt": "some text", "b.txt": "more text"})
+    empty = write_docs(tmp / "empty", {"a.txt": "", "b.txt": ""})
+    nomatch = write_docs(tmp / "nomatch", {"a.txt": "text"})
+    write_jsonl(tmp / "records.jsonl", [{"body": "x"}])
+    (tmp / "broken.jsonl").write_text('{"text": "fine"}\n{broken\n')
+    (tmp / "afile").write_text("I am a file")
+    (tmp / "notatokenizer.json").write_text('{"hello": 1}')
+    old = tmp / "old"  # a previous output, to be left untouched by every failure
+    assert run("--input", ok, "--vocab-size", 300, "--out", old) == 0
+    foreign = write_docs(tmp / "foreign", {"notes.md": "mine", "meta.json": "{}"})
+    return {
+        "no inputs": (["--out", old], "no inputs", old),
+        "missing input": (["--input", tmp / "missing", "--out", tmp / "o"], str(tmp / "missing"), None),
+        "no input files": (["--input", nomatch, "--glob", "*.py", "--out", tmp / "o"], "no input files", None),
+        "only empty inputs": (["--input", empty, "--out", tmp / "o"], "no documents", None),
+        "only empty inputs, reused tokenizer, overwrite": (
+            ["--input", empty, "--tokenizer", old, "--out", old, "--overwrite"], "no documents", old),
+        "unknown text column": (["--input", tmp / "records.jsonl", "--out", tmp / "o"], "'text'", None),
+        "unknown text column, overwrite": (
+            ["--input", tmp / "records.jsonl", "--tokenizer", old, "--out", old, "--overwrite"],
+            str(tmp / "records.jsonl"), old),
+        "broken jsonl": (["--input", tmp / "broken.jsonl", "--out", tmp / "o"], str(tmp / "broken.jsonl"), None),
+        "vocab below bytes + specials": (["--input", ok, "--vocab-size", 257, "--out", tmp / "o"], "257", None),
+        "output is a file": (["--input", ok, "--out", tmp / "afile"], str(tmp / "afile"), None),
+        "existing output without --overwrite": (["--input", ok, "--out", old], "--overwrite", old),
+        "overwrite a foreign directory": (["--input", ok, "--out", foreign, "--overwrite"], "notes.md", foreign),
+        "missing tokenizer": (["--input", ok, "--tokenizer", tmp / "nope", "--out", tmp / "o"],
+                              str(tmp / "nope"), None),
+        "not a tokenizer": (["--input", ok, "--tokenizer", tmp / "notatokenizer.json", "--out", tmp / "o"],
+                            "notatokenizer.json", None),
+        "tokenizer and vocab size": (["--input", ok, "--tokenizer", old, "--vocab-size", 512, "--out", tmp / "o"],
+                                     "--vocab-size", None),
+        "val fraction 0": (["--input", ok, "--val-fraction", 0, "--out", tmp / "o"], "--val-fraction", None),
+        "bad size": (["--input", ok, "--shard-tokens", "lots", "--out", tmp / "o"], "lots", None),
+        "missing dataset": (["--dataset", tmp / "nodataset", "--out", tmp / "o", "--vocab-size", 300],
+                            "nodataset", None),
+    }
+
+
+def test_bad_inputs(tmp_path, prepare_data_cli):
+    cases = _bad_cases(tmp_path)
+    for name, (args, needle, existing) in cases.items():
+        before = snapshot(existing) if existing else None
+        listing = sorted(p.name for p in tmp_path.iterdir())
+        proc = prepare_data_cli(*args)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode != 0, name
+        assert len(lines) == 1 and lines[0].startswith("prepare_data.py: error: "), (name, proc.stderr)
+        assert needle in lines[0], (name, lines[0])
+        assert "Traceback" not in proc.stderr + proc.stdout, name
+        assert not (tmp_path / "o").exists(), name
+        assert sorted(p.name for p in tmp_path.iterdir()) == listing, name  # no staging leftovers
+        if existing:
+            assert snapshot(existing) == before, name
+
+
+def test_non_utf8_file_is_skipped_by_the_cli(tmp_path, prepare_data_cli):
+    src = write_docs(tmp_path / "src", {"good.py": "print('hi')\n", "binary.py": b"\x89PNG\r\n\x1a\n\x00\xff",
+                                        "good2.py": "x = 2\n"})
+    proc = prepare_data_cli("--input", src, "--vocab-size", 300, "--out", tmp_path / "out")
+    assert proc.returncode == 0, proc.stderr
+    warnings = [ln for ln in proc.stderr.splitlines() if "skipping" in ln]
+    assert warnings == [f"prepare_data.py: warning: skipping {src / 'binary.py'}: "
+                        f"not valid UTF-8 (byte 0x89 at offset 0)"]
+    assert proc.stdout.startswith("prepare_data.py: wrote ") and len(proc.stdout.splitlines()) == 1
+    assert all_documents(tmp_path / "out") == Counter(["print('hi')\n", "x = 2\n"])
