@@ -171,11 +171,12 @@ def _matches(rel: str, patterns: list[str]) -> bool:
     return any(fnmatch.fnmatchcase(rel if "/" in pat else name, pat) for pat in patterns)
 
 
-def find_files(inputs: list[str], globs: list[str], excludes: list[str]) -> list[tuple[str, list[Path]]]:
+def find_files(inputs: list[str], globs: list[str], excludes: list[str],
+               out: Path | None = None) -> list[tuple[str, list[Path]]]:
     """Per --input: the files it names, in a deterministic (sorted) order, each file at most once.
 
     --glob and --exclude filter what is found by walking directories; a file named on the command
-    line is always read.
+    line is always read. The output directory `out` (a real path) is never walked into.
     """
     seen: set[Path] = set()
     found = []
@@ -188,7 +189,8 @@ def find_files(inputs: list[str], globs: list[str], excludes: list[str]) -> list
             for dirpath, dirnames, filenames in os.walk(root):
                 rel_dir = Path(dirpath).relative_to(root).as_posix()
                 prefix = "" if rel_dir == "." else rel_dir + "/"
-                dirnames[:] = sorted(d for d in dirnames if not _matches(prefix + d, excludes))
+                dirnames[:] = sorted(d for d in dirnames if not _matches(prefix + d, excludes)
+                                     and os.path.realpath(os.path.join(dirpath, d)) != str(out))
                 for name in sorted(filenames):
                     rel = prefix + name
                     if (not globs or _matches(rel, globs)) and not _matches(rel, excludes):
@@ -605,7 +607,7 @@ def prepare(args: argparse.Namespace, argv: list[str]) -> str:
     t0 = time.time()
     out = Path(os.path.realpath(args.out))  # a symlink to a directory: replace the directory
     check_out(out, args.out, args.overwrite)  # before any work: an existing directory is never touched
-    inputs = find_files(args.input, args.glob, args.exclude)
+    inputs = find_files(args.input, args.glob, args.exclude, out)
     files = [f for _, fs in inputs for f in fs]
     if not files and args.dataset is None:
         raise DataError(f"no input files in {', '.join(args.input)}"

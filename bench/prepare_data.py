@@ -25,7 +25,6 @@ import io
 import json
 import os
 import platform
-import shutil
 import statistics
 import sys
 import sysconfig

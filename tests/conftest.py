@@ -18,6 +18,11 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # the top-level scripts (prepare_data.py, model.py, ...) are modules
     sys.path.insert(0, str(ROOT))
 
+# prepare_data.main() runs in this process; with the tokenizers thread pool on, every later fork
+# (DataLoader workers, multiprocessing) would print a warning from the tokenizers library and turn
+# it off in the child. Off from the start: the small test corpora do not need it.
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 # ~1.6 MB of .py files: 3 train shards of 200k tokens at vocabulary 512.
 STDLIB_PACKAGES = ("json", "email", "asyncio", "collections", "logging", "concurrent")

@@ -4,8 +4,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
+import signal
+import subprocess
+import sys
 import tempfile
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -15,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import prepare_data
-from conftest import STDLIB, STDLIB_DATA_ARGS, stdlib_inputs
+from conftest import ROOT, STDLIB, stdlib_inputs
 
 TRICKY = {
     "crlf.txt": "line one\r\nline two\r\n\r\n",
@@ -239,8 +242,10 @@ def test_same_arguments_give_identical_outputs(tmp_path, prepare_data_cli):
     a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
     assert run(*args, "--out", a) == 0
     assert run(*args, "--out", b) == 0
-    # Also without the tokenizers thread pool: training and encoding do not depend on threading.
-    proc = prepare_data_cli(*args, "--out", c, env={"TOKENIZERS_PARALLELISM": "false"})
+    # The third run with the other setting of the tokenizers thread pool (the test session turns it
+    # off): training and encoding do not depend on threading.
+    flip = "true" if os.environ.get("TOKENIZERS_PARALLELISM", "true").lower() in ("0", "false", "off") else "false"
+    proc = prepare_data_cli(*args, "--out", c, env={"TOKENIZERS_PARALLELISM": flip})
     assert proc.returncode == 0, proc.stderr
     files = sorted(p.name for p in a.iterdir())
     assert len([f for f in files if f.startswith("train_")]) >= 2
@@ -404,17 +409,16 @@ def test_tokenizer_reuse(stdlib_data, tmp_path):
 
     src = write_docs(tmp_path / "src", {"a.txt": "def reuse():\n    pass\n", "b.txt": "x = [1, 2]\n"})
     meta0 = meta_of(stdlib_data)
-    for i, given in enumerate([stdlib_data, stdlib_data / "tokenizer.json"]):
+    for i, source in enumerate([stdlib_data, stdlib_data / "tokenizer.json"]):
         out = tmp_path / f"out{i}"
-        assert run("--input", src, "--tokenizer", given, "--out", out) == 0
+        assert run("--input", src, "--tokenizer", source, "--out", out) == 0
         meta = meta_of(out)
         assert meta["tokenizer_sha256"] == meta0["tokenizer_sha256"]  # the very same tokenizer
-        assert meta["tokenizer"] == {"source": str(given)}
+        assert meta["tokenizer"] == {"source": str(source)}
         for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
             assert (out / name).read_bytes() == (stdlib_data / name).read_bytes()
         tok = Tokenizer.from_file(str(stdlib_data / "tokenizer.json"))
-        for text in documents(out, "train") + documents(out, "val"):
-            assert text in ("def reuse():\n    pass\n", "x = [1, 2]\n")
+        assert all_documents(out) == Counter(["def reuse():\n    pass\n", "x = [1, 2]\n"])
         for split in ("train", "val"):
             ids = stream(out, split).tolist()
             docs = documents(out, split)
@@ -455,6 +459,36 @@ def test_interrupted_run_leaves_nothing(tmp_path, monkeypatch):
     out = tmp_path / "new" / "out"
     assert run("--input", src, "--vocab-size", 300, "--shard-tokens", 40, "--out", out) == 130
     assert calls and not (tmp_path / "new").exists()  # staging and the parents it made are removed
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_killed_run_leaves_nothing_that_looks_complete(stdlib_data, tmp_path, sig):
+    """SIGTERM (preemption) cleans up and exits 130; SIGKILL leaves only a hidden staging directory
+    without meta.json. Either way --out does not exist."""
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "prepare_data.py"), "--input", STDLIB, "--glob", "*.py",
+                             "--exclude", "site-packages", "--tokenizer", stdlib_data, "--shard-tokens", "100k",
+                             "--out", out], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not list(tmp_path.glob(".out.partial-*/train_00000.npy")) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    assert not out.exists()
+    leftovers = list(tmp_path.iterdir())
+    if sig == signal.SIGTERM:
+        assert proc.returncode == 130 and err.strip().endswith("interrupted; nothing was written")
+        assert leftovers == []
+    else:
+        assert [p.name.startswith(".out.partial-") for p in leftovers] == [True]
+        assert not (leftovers[0] / "meta.json").exists()
+
+
+def test_output_inside_an_input_directory_is_not_read(tmp_path):
+    src = write_docs(tmp_path / "src", {"a.txt": "alpha text", "b.txt": "beta text"})
+    for _ in range(2):  # the second run would otherwise read the first one's shards and meta.json
+        assert run("--input", src, "--vocab-size", 300, "--out", src / "data", "--overwrite") == 0
+    assert all_documents(src / "data") == Counter(["alpha text", "beta text"])
 
 
 # --- bad input: one line, non-zero exit, nothing written --------------------------------------------
