@@ -1,0 +1,828 @@
+"""The Nash-MHC transformer: mHC residual streams (Sinkhorn) around causal multi-scale attention
+fused per token by a Nash equilibrium. Plain nn.Modules; see DESIGN.md section 1 for the maths.
+
+Shapes: B batch, T tokens, C d_model, n mHC streams, L attention scales, H query heads,
+Hkv key/value heads, G = H // Hkv queries per key/value head, D head_dim.
+
+    python model.py CONFIG.yaml      # summary of the config's `model:` section, built on the meta device
+
+XLA notes: every mask comes from `arange` comparisons, every loop has a static trip count, no
+`.item()` and no Python branch on tensor values; the only branches are on config values and shapes.
+Nothing here imports torch_xla.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import functools
+import itertools
+import math
+import sys
+import typing
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+import torch
+import torch.nn.functional as F
+import torch.utils.checkpoint
+from torch import nn
+
+MHC_RES_OFF_DIAG_BIAS = -8.0            # H_res starts at ~identity: exp(-8) = 3e-4 off the diagonal
+MHC_PRE_BIAS = 2.0                      # H_pre starts at sigmoid(+-2) = 0.88 / 0.12: one favoured stream
+MHC_GATE_INIT = 0.01                    # the gates alpha
+
+
+def _help(text: str, default):
+    return field(default=default, metadata={"help": text})
+
+
+@dataclass
+class ModelConfig:
+    """The YAML `model:` section. Defaults: the tiny demo model (configs/demo.yaml)."""
+    vocab_size: int = _help("vocabulary size (at least the tokenizer's)", 512)
+    d_model: int = _help("model width C", 128)
+    n_layers: int = _help("number of blocks", 4)
+    n_heads: int = _help("query heads (head_dim = d_model / n_heads, even)", 4)
+    n_kv_heads: int = _help("key/value heads (grouped-query attention; divides n_heads)", 2)
+    max_seq_len: int = _help("longest sequence; a multiple of nash_compression**(nash_scales-1)", 256)
+    ffn_mult: float = _help("SwiGLU hidden = ffn_mult * d_model rounded up to a multiple of ffn_multiple_of",
+                            2.67)
+    ffn_multiple_of: int = _help("the SwiGLU hidden size is a multiple of this", 32)
+    rope_theta: float = _help("rotary embedding base", 10000.0)
+    norm_eps: float = _help("RMSNorm epsilon", 1e-5)
+    tie_embeddings: bool = _help("share the token embedding with the LM head", True)
+    dropout: float = _help("dropout on the embedding and on every sub-layer output", 0.0)
+    init_std: float = _help("std of the weight init (output projections: init_std / sqrt(2 n_layers))", 0.02)
+    mhc_streams: int = _help("mHC residual streams n (1: plain residual)", 4)
+    sinkhorn_iters: int = _help("Sinkhorn-Knopp iterations for H_res", 20)
+    mhc_lite: bool = _help("H_res as a convex combination of the n! permutation matrices (mHC-lite) "
+                           "instead of Sinkhorn", False)
+    nash_scales: int = _help("attention scales L (1: plain causal attention)", 3)
+    nash_compression: int = _help("compression ratio r: scale l pools blocks of r**l tokens", 4)
+    nash_window: int = _help("sliding window of the full-resolution scale (0: none)", 64)
+    nash_iters: int = _help("best-response rounds of the Nash aggregation", 3)
+    nash_tau: float = _help("initial temperature of the Nash best response (learned, per head)", 1.0)
+    nash_pool: Literal["mean", "learned"] = _help("how a block of keys/values is compressed", "mean")
+    aggregation: Literal["nash", "convex", "mean"] = _help("how the scale outputs are fused", "nash")
+    activation_checkpointing: bool = _help("recompute each block in the backward pass", False)
+
+    def __post_init__(self):
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, _checked(f.name, getattr(self, f.name), hints[f.name]))
+
+        def need(ok: bool, msg: str):
+            if not ok:
+                raise ValueError(msg)
+
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "max_seq_len",
+                     "ffn_multiple_of", "mhc_streams", "sinkhorn_iters", "nash_scales", "nash_iters"):
+            need(getattr(self, name) >= 1, f"{name}={getattr(self, name)} must be at least 1")
+        for name in ("ffn_mult", "rope_theta", "norm_eps", "init_std", "nash_tau"):
+            need(getattr(self, name) > 0, f"{name}={getattr(self, name)} must be positive")
+        need(self.d_model % self.n_heads == 0,
+             f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
+        need(self.head_dim % 2 == 0,
+             f"d_model={self.d_model} gives head_dim={self.head_dim}, which must be even for rotary embeddings")
+        need(self.n_heads % self.n_kv_heads == 0,
+             f"n_kv_heads={self.n_kv_heads} does not divide n_heads={self.n_heads}")
+        need(0.0 <= self.dropout < 1.0, f"dropout={self.dropout} must be in [0, 1)")
+        need(not self.mhc_lite or self.mhc_streams <= 6,
+             f"mhc_lite=true needs mhc_streams <= 6 (it mixes all n! permutations), got {self.mhc_streams}")
+        need(self.nash_compression >= 2, f"nash_compression={self.nash_compression} must be at least 2")
+        need(self.nash_window >= 0, f"nash_window={self.nash_window} must be 0 (no window) or positive")
+        need(self.max_seq_len % self.coarsest_block == 0,
+             f"max_seq_len={self.max_seq_len} is not a multiple of the coarsest block "
+             f"nash_compression**(nash_scales-1)={self.coarsest_block}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def ffn_hidden(self) -> int:
+        """ffn_mult * d_model rounded up to a multiple of ffn_multiple_of (2.67 * 128 -> 352 with 32)."""
+        m = self.ffn_multiple_of
+        return m * math.ceil(round(self.ffn_mult * self.d_model, 6) / m)
+
+    @property
+    def coarsest_block(self) -> int:
+        """Tokens per compressed block at the coarsest scale; sequences are padded to a multiple of it."""
+        return self.nash_compression ** (self.nash_scales - 1)
+
+    @classmethod
+    def from_dict(cls, d) -> "ModelConfig":
+        if not isinstance(d, dict):
+            raise ValueError(f"model: expected a mapping of fields, got {d!r}")
+        names = [f.name for f in dataclasses.fields(cls)]
+        for key in d:
+            if key not in names:
+                close = difflib.get_close_matches(str(key), names, n=1)
+                hint = f" (did you mean '{close[0]}'?)" if close else f"; valid fields: {', '.join(names)}"
+                raise ValueError(f"{key}: unknown model field{hint}")
+        return cls(**d)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _checked(name: str, value, tp):
+    """``value`` in the type ``tp`` of the field, or a ValueError naming the field."""
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ValueError(f"{name} must be true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads 1e4 (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            return float(value)
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    choices = typing.get_args(tp)  # Literal
+    if value in choices:
+        return value
+    close = difflib.get_close_matches(str(value), choices, n=1)
+    hint = f" (did you mean '{close[0]}'?)" if close else ""
+    raise ValueError(f"{name}={value!r} is not one of {', '.join(choices)}{hint}")
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor                 # [B, T, vocab]
+    loss: Optional[torch.Tensor]         # mean cross-entropy over targets != -1, or None
+    metrics: dict[str, torch.Tensor]     # detached scalars
+
+
+# ----------------------------------------------------------------------------------------------
+# Sinkhorn-Knopp and the Nash equilibrium: the two pieces of maths, as plain functions.
+
+def sinkhorn_knopp(logits: torch.Tensor, iters: int = 20, eps: float = 1e-6) -> torch.Tensor:
+    """Doubly-stochastic matrices from logits ``[..., n, n]``, in fp32 whatever the input dtype.
+
+    Start from the positive matrix ``softmax(logits) + eps`` (row-wise softmax: finite for ±1e4
+    logits; the ``+eps`` keeps every column sum away from 0, otherwise the backward pass multiplies
+    by 1/eps at every iteration and overflows), then ``iters`` rounds of row and column
+    normalisation, each division with ``+eps``. Sinkhorn converges slowly when the matrix is close
+    to having no perfect-matching support (saturated logits do that), so a closing step makes the
+    result exact: the orthogonal projection onto {rows and columns sum to 1} (it adds
+    ``(1-r_i)/n + (1-c_j)/n - (n-S)/n^2``, a no-op once the iterations converged), then, only if
+    that made an entry negative, the smallest mix with the uniform matrix J/n that is non-negative.
+    """
+    with torch.autocast(device_type=logits.device.type, enabled=False):
+        shape, n = logits.shape, logits.shape[-1]
+        # matrices last -> first: every op below then runs on long contiguous vectors (10x on CPU)
+        z = logits.float().reshape(-1, n, n).permute(1, 2, 0).contiguous()      # [n, n, N]
+        p = torch.softmax(z, dim=1) + eps  # rows: dim 1
+        if iters > 0:
+            p = _SinkhornIterations.apply(p, iters, eps)
+        rows = p.sum(dim=1, keepdim=True)
+        cols = p.sum(dim=0, keepdim=True)
+        total = rows.sum(dim=0, keepdim=True)
+        p = p + (1.0 - rows) / n + (1.0 - cols) / n - (n - total) / (n * n)
+        neg = (-p).clamp_min(0.0)
+        lam = (neg / (neg + 1.0 / n)).amax(dim=(0, 1), keepdim=True)
+        p = ((1.0 - lam) * p + lam / n).clamp_min(0.0)  # the clamp only takes rounding below 0
+        return p.permute(2, 0, 1).reshape(shape).contiguous()
+
+
+class _SinkhornIterations(torch.autograd.Function):
+    """``iters`` rounds of row then column normalisation of a positive ``p [n, n, N]`` (rows: dim 1).
+
+    The plain loop's maths with the backward written out, because Sinkhorn is most of mHC's cost
+    and autograd keeps all 2 * iters iterates. For a step ``q = p / s`` with ``s = sum(p) + eps``
+    over the normalised dim, the input gradient is ``(g - sum(g * q)) / s``. Only the output and
+    the normalisers ``s`` are saved; the backward walks the steps in reverse and undoes each
+    division (``p = q * s``) to recover that step's ``q``.
+    """
+
+    @staticmethod
+    def forward(ctx, p, iters: int, eps: float):
+        p = p.clone()
+        norms = []
+        for _ in range(iters):
+            for dim in (1, 0):
+                s = p.sum(dim=dim, keepdim=True).add_(eps)
+                p.div_(s)
+                norms.append(s)
+        ctx.save_for_backward(p, *norms)
+        return p
+
+    @staticmethod
+    def backward(ctx, g):
+        q, *norms = ctx.saved_tensors
+        q, g = q.clone(), g.clone()
+        for step in reversed(range(len(norms))):
+            dim, s = (1, 0)[step % 2], norms[step]
+            g.sub_((g * q).sum(dim=dim, keepdim=True)).div_(s)
+            q.mul_(s)
+        return g, None, None
+
+
+def nash_equilibrium(outputs: torch.Tensor, valid: torch.Tensor, tau, iters: int) -> torch.Tensor:
+    """Weights ``[..., L]`` of the scales after ``iters`` best-response rounds.
+
+    ``outputs [..., L, D]`` are the scale outputs (fp32), ``valid`` (broadcastable to ``[..., L]``,
+    at least one True per row) says which scales have an output for this token, ``tau`` (> 0,
+    broadcastable to ``[..., L]``) is the temperature. Start uniform over the valid scales; each
+    round, every scale's loss is its mean squared distance to the consensus ``c = sum_m w_m o_m``
+    and the best response is ``softmax(-loss / tau)`` over the valid scales. Squared distances,
+    not norms: sqrt has no gradient at 0 (all outputs equal).
+
+    The distances come from the Gram matrix ``G = O O^T / D`` (``[..., L, L]``, one product):
+    ``|o_l - c|^2 / D = G_ll - 2 (G w)_l + w^T G w``, so the rounds cost O(L^2), not O(L D).
+    """
+    gram = torch.matmul(outputs, outputs.transpose(-1, -2)) / outputs.shape[-1]   # [..., L, L]
+    diag = gram.diagonal(dim1=-2, dim2=-1)
+    valid_f = valid.to(outputs.dtype)
+    w = valid_f / valid_f.sum(dim=-1, keepdim=True)
+    for _ in range(iters):
+        gw = (gram * w.unsqueeze(-2)).sum(dim=-1)                                   # (G w)_l
+        loss = diag - 2.0 * gw + (w * gw).sum(dim=-1, keepdim=True)
+        w = torch.softmax((-loss / tau).masked_fill(~valid, float("-inf")), dim=-1)
+    return w
+
+
+# ----------------------------------------------------------------------------------------------
+# Building blocks.
+
+def _rms_inverse(x, eps):
+    """``1 / sqrt(mean(x^2) + eps)`` over the last dim (one fused reduction; its gradient is 0,
+    not NaN, at x = 0)."""
+    return torch.rsqrt(torch.linalg.vector_norm(x, dim=-1, keepdim=True).square() / x.shape[-1] + eps)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def reset_parameters(self):
+        nn.init.ones_(self.weight)
+
+    def forward(self, x):
+        xf = x.float()
+        xf = xf * _rms_inverse(xf, self.eps)
+        return (xf * self.weight.float()).to(x.dtype)
+
+
+def rope_tables(head_dim: int, seq_len: int, theta: float, device=None):
+    """cos and sin ``[seq_len, head_dim // 2]`` (fp32) of the rotary embedding."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x, cos, sin):
+    """Rotate ``x [B, T, heads, D]`` by its position (the "rotate half" layout), in fp32."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+def attend(q, k, v, visible):
+    """``softmax(q k^T / sqrt(D)) v`` over the visible keys, grouped-query.
+
+    ``q [B, H, T, D]``, ``k, v [B, Hkv, S, D]``, ``visible`` a bool mask broadcastable to
+    ``[B, H, T, S]`` with at least one True per row (a fully hidden row has no defined output).
+    """
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def local_attention(q, k, v, window: int):
+    """Causal attention at full resolution over the last ``window`` keys (0: all of them).
+
+    ``q [B, H, T, D]``, ``k, v [B, Hkv, T, D]``. When T > 2 * window the queries are cut into
+    chunks of ``window`` that attend to their own and the previous chunk (2 * window keys, masked
+    to the window), so the cost is linear in T; otherwise one dense masked product.
+    """
+    B, H, T, D = q.shape
+    t = torch.arange(T, device=q.device)
+    if window == 0 or T <= window:
+        return attend(q, k, v, t[None, :] <= t[:, None])
+    if T <= 2 * window:
+        return attend(q, k, v, (t[None, :] <= t[:, None]) & (t[:, None] - t[None, :] < window))
+    W, Hkv = window, k.shape[1]
+    nc = -(-T // W)
+    pad = nc * W - T
+    if pad:  # right padding: padded keys are in every real query's future
+        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+
+    def chunks(x):  # [B, h, nc * W, D] -> [B * nc, h, W, D]
+        return x.unflatten(2, (nc, W)).transpose(1, 2).reshape(B * nc, x.shape[1], W, D)
+
+    # keys of chunk c: chunk c - 1 (zeros for c = 0, hidden below) then chunk c
+    kk, vv = (torch.cat([chunks(F.pad(x, (0, 0, W, 0))[:, :, :nc * W]), chunks(x)], dim=2) for x in (k, v))
+    i = torch.arange(W, device=q.device)[:, None]             # query offset in its chunk
+    j = torch.arange(2 * W, device=q.device)[None, :]         # key offset from the previous chunk's start
+    c = torch.arange(nc, device=q.device)[:, None, None]
+    visible = (j > i) & (j <= i + W) & ((c > 0) | (j >= W))   # 0 <= t - s < W and s >= 0
+    visible = visible[None, :, None].expand(B, nc, 1, W, 2 * W).reshape(B * nc, 1, W, 2 * W)
+    out = attend(chunks(q), kk, vv, visible)                  # [B * nc, H, W, D]
+    return out.view(B, nc, H, W, D).transpose(1, 2).reshape(B, H, nc * W, D)[:, :, :T]
+
+
+class NashAttention(nn.Module):
+    """Grouped-query attention at ``nash_scales`` scales, fused per token and head.
+
+    Scale 0: causal (optionally windowed) attention at full resolution. Scale l >= 1: keys and
+    values pooled over blocks of r**l tokens; query t sees block j iff the block is complete,
+    (j+1) * r**l - 1 <= t. A query that sees no block (t < r**l - 1) has no output at that scale:
+    it is marked invalid for the aggregation and its output is zeroed.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.scales, self.ratio, self.window = cfg.nash_scales, cfg.nash_compression, cfg.nash_window
+        self.iters, self.aggregation, self.tau_init = cfg.nash_iters, cfg.aggregation, cfg.nash_tau
+        C, H, Hkv, D = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.wq = nn.Linear(C, H * D, bias=False)
+        self.wk = nn.Linear(C, Hkv * D, bias=False)
+        self.wv = nn.Linear(C, Hkv * D, bias=False)
+        self.wo = nn.Linear(H * D, C, bias=False)
+        self.log_tau = self.agg_logits = self.pool_logits = None
+        if self.scales > 1:
+            if cfg.aggregation == "nash":
+                self.log_tau = nn.Parameter(torch.empty(H))
+            elif cfg.aggregation == "convex":
+                self.agg_logits = nn.Parameter(torch.empty(self.scales))
+            if cfg.nash_pool == "learned":
+                self.pool_logits = nn.ParameterList(
+                    [nn.Parameter(torch.empty(self.ratio ** l)) for l in range(1, self.scales)])
+
+    def reset_parameters(self):
+        if self.log_tau is not None:
+            nn.init.constant_(self.log_tau, math.log(self.tau_init))
+        if self.agg_logits is not None:
+            nn.init.zeros_(self.agg_logits)
+        for p in self.pool_logits or []:
+            nn.init.zeros_(p)  # starts as the mean
+
+    def pool(self, x, l: int):
+        """``[B, Hkv, T, D]`` -> ``[B, Hkv, T / r**l, D]``, each block from its own tokens only."""
+        b = self.ratio ** l
+        x = x.unflatten(2, (x.shape[2] // b, b))
+        if self.pool_logits is None:
+            return x.mean(dim=3)
+        w = torch.softmax(self.pool_logits[l - 1].float(), dim=0).to(x.dtype)
+        return (x * w[:, None]).sum(dim=3)
+
+    def forward(self, x, cos, sin):
+        """``x [B, T, C]`` -> (``[B, T, C]``, detached stats: Nash entropy, mean weight per scale)."""
+        B, T, _ = x.shape
+        H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
+        q = apply_rope(self.wq(x).view(B, T, H, D), cos, sin).transpose(1, 2)     # [B, H, T, D]
+        k = apply_rope(self.wk(x).view(B, T, Hkv, D), cos, sin).transpose(1, 2)   # [B, Hkv, T, D]
+        v = self.wv(x).view(B, T, Hkv, D).transpose(1, 2)
+        outs = [local_attention(q, k, v, self.window)]
+        if self.scales == 1:
+            o, stats = outs[0], x.new_zeros(0, dtype=torch.float32)
+        else:
+            t = torch.arange(T, device=x.device)
+            valid = [torch.ones_like(t, dtype=torch.bool)]
+            for l in range(1, self.scales):
+                b = self.ratio ** l
+                j = torch.arange(T // b, device=x.device)
+                visible = (j[None, :] + 1) * b - 1 <= t[:, None]      # block j complete at query t
+                valid.append(t >= b - 1)
+                # a query with no complete block looks at block 0 (never a fully masked row, so
+                # finite on every backend); its output is zeroed, so nothing of it flows anywhere
+                visible = visible | ((j[None, :] == 0) & ~valid[-1][:, None])
+                o_l = attend(q, self.pool(k, l), self.pool(v, l), visible)
+                outs.append(o_l.masked_fill(~valid[-1][:, None], 0.0))
+            o, stats = self.aggregate(outs, torch.stack(valid, dim=-1))
+        return self.wo(o.transpose(1, 2).reshape(B, T, H * D)), stats
+
+    def aggregate(self, outs, valid):
+        """Fuse the scale outputs ``[B, H, T, D]`` (``valid [T, L]``) into one, with stats."""
+        O = torch.stack(outs, dim=-2).float()                     # [B, H, T, L, D]
+        if self.aggregation == "nash":
+            tau = self.log_tau.float().exp().view(-1, 1, 1)       # per head
+            w = nash_equilibrium(O, valid, tau, self.iters)       # [B, H, T, L]
+        elif self.aggregation == "convex":
+            w = torch.softmax(self.agg_logits.float().masked_fill(~valid, float("-inf")), dim=-1)
+        else:
+            w = valid.float() / valid.sum(dim=-1, keepdim=True)
+        o = (w.unsqueeze(-1) * O).sum(dim=-2).to(outs[0].dtype)
+        with torch.no_grad():
+            entropy = -(w * w.clamp_min(1e-30).log()).sum(dim=-1).mean()
+            stats = torch.cat([entropy.view(1), w.reshape(-1, self.scales).mean(dim=0)])
+        return o, stats
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.d_model, cfg.ffn_hidden, bias=False)
+        self.w3 = nn.Linear(cfg.d_model, cfg.ffn_hidden, bias=False)
+        self.w2 = nn.Linear(cfg.ffn_hidden, cfg.d_model, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+def _stream_logits(h, weight, eps):
+    """Per-token coefficient logits from the flattened streams ``h [B, T, n, C]``, in fp32:
+    RMS-normalise the n*C vector (no weight) and project it (projection first, then the scale)."""
+    flat = h.float().flatten(-2)
+    return F.linear(flat, weight.float()) * _rms_inverse(flat, eps)
+
+
+def permutation_matrices(n: int, device=None) -> torch.Tensor:
+    """All n! permutation matrices ``[n!, n, n]``, the identity first."""
+    perms = torch.tensor(list(itertools.permutations(range(n))), device=device)
+    return F.one_hot(perms, n).float()
+
+
+class HyperConnection(nn.Module):
+    """mHC around one sub-layer F: ``h <- H_res h + H_post^T F(H_pre h)`` with per-token
+    ``H_pre = sigmoid(.)``, ``H_post = 2 sigmoid(.)`` (``[n]``) and doubly-stochastic ``H_res [n, n]``,
+    each ``alpha * (phi rmsnorm(flat h)) + b``; coefficient maths in fp32, outside autocast.
+    """
+
+    def __init__(self, cfg: ModelConfig, favoured: int):
+        super().__init__()
+        n = cfg.mhc_streams
+        self.n, self.iters, self.eps, self.lite = n, cfg.sinkhorn_iters, cfg.norm_eps, cfg.mhc_lite
+        self.favoured = favoured
+        self.n_res = math.factorial(n) if cfg.mhc_lite else n * n
+        self.phi = nn.Linear(n * cfg.d_model, 2 * n + self.n_res, bias=False)
+        self.alpha = nn.Parameter(torch.empty(3))                # gates of pre, post, res
+        self.b_pre = nn.Parameter(torch.empty(n))
+        self.b_post = nn.Parameter(torch.empty(n))
+        self.b_res = nn.Parameter(torch.empty(self.n_res))      # flat: every no-decay parameter is < 2-D
+        if self.lite:
+            self.register_buffer("perms", torch.empty(self.n_res, n, n), persistent=False)
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        n = self.n
+        self.alpha.fill_(MHC_GATE_INIT)
+        self.b_pre.fill_(-MHC_PRE_BIAS)
+        self.b_pre[self.favoured] = MHC_PRE_BIAS
+        self.b_post.zero_()                                      # 2 sigmoid(0) = 1
+        if self.lite:
+            self.perms.copy_(permutation_matrices(n, device=self.perms.device))
+            self.b_res.fill_(MHC_RES_OFF_DIAG_BIAS)
+            self.b_res[0] = 0.0                                  # the identity permutation
+        else:
+            eye = torch.eye(n, device=self.b_res.device).flatten()
+            self.b_res.copy_((1.0 - eye) * MHC_RES_OFF_DIAG_BIAS)
+
+    def coefficients(self, h):
+        """fp32 ``H_pre [B, T, n]``, ``H_post [B, T, n]``, ``H_res [B, T, n, n]`` for ``h [B, T, n, C]``."""
+        n = self.n
+        with torch.autocast(device_type=h.device.type, enabled=False):
+            z = _stream_logits(h, self.phi.weight, self.eps)
+            pre, post, res = z.split([n, n, self.n_res], dim=-1)
+            a = self.alpha.float()
+            h_pre = torch.sigmoid(a[0] * pre + self.b_pre.float())
+            h_post = 2.0 * torch.sigmoid(a[1] * post + self.b_post.float())
+            res = a[2] * res + self.b_res.float()
+            if self.lite:
+                h_res = torch.einsum("btk,kij->btij", torch.softmax(res, dim=-1), self.perms.float())
+            else:
+                h_res = sinkhorn_knopp(res.unflatten(-1, (n, n)), self.iters)
+        return h_pre, h_post, h_res
+
+    def read(self, h):
+        """The sub-layer input ``H_pre h [B, T, C]`` and the coefficients ``write`` needs."""
+        h_pre, h_post, h_res = self.coefficients(h)
+        return (h_pre.to(h.dtype).unsqueeze(-1) * h).sum(dim=-2), (h_post, h_res)
+
+    def write(self, h, y, coef):
+        """``H_res h + H_post^T y`` for the sub-layer output ``y [B, T, C]``, as one product
+        ``[H_res | H_post^T] @ [h; y]`` per token (fewer passes over the n-times wider residual)."""
+        h_post, h_res = coef
+        mix = torch.cat([h_res, h_post.unsqueeze(-1)], dim=-1).to(h.dtype)        # [B, T, n, n+1]
+        return torch.matmul(mix, torch.cat([h, y.to(h.dtype).unsqueeze(-2)], dim=-2))
+
+
+class StreamCollapse(nn.Module):
+    """Before the final norm: ``x = sum_i w_i h_i`` with per-token ``w = sigmoid(.) >= 0``."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        n = cfg.mhc_streams
+        self.eps = cfg.norm_eps
+        self.phi = nn.Linear(n * cfg.d_model, n, bias=False)
+        self.alpha = nn.Parameter(torch.empty(1))
+        self.bias = nn.Parameter(torch.empty(n))
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        self.alpha.fill_(MHC_GATE_INIT)
+        self.bias.zero_()  # w = 1/2 everywhere: the final norm makes the scale irrelevant
+
+    def forward(self, h):
+        with torch.autocast(device_type=h.device.type, enabled=False):
+            w = torch.sigmoid(self.alpha.float() * _stream_logits(h, self.phi.weight, self.eps)
+                              + self.bias.float())
+        return (w.to(h.dtype).unsqueeze(-1) * h).sum(dim=-2)
+
+
+class Block(nn.Module):
+    """Pre-norm attention and SwiGLU sub-layers, each in a hyper-connection (or a plain residual
+    when mhc_streams == 1). Returns the new residual and a detached 1-D stats tensor."""
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.streams = cfg.mhc_streams
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = NashAttention(cfg)
+        self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.ffn = FeedForward(cfg)
+        self.drop = nn.Dropout(cfg.dropout)
+        if self.streams > 1:
+            self.hc_attn = HyperConnection(cfg, favoured=(2 * layer) % cfg.mhc_streams)
+            self.hc_ffn = HyperConnection(cfg, favoured=(2 * layer + 1) % cfg.mhc_streams)
+
+    def forward(self, h, cos, sin):
+        if self.streams == 1:
+            a, stats = self.attn(self.attn_norm(h), cos, sin)
+            h = h + self.drop(a)
+            h = h + self.drop(self.ffn(self.ffn_norm(h)))
+            return h, stats
+        x, coef = self.hc_attn.read(h)
+        a, stats = self.attn(self.attn_norm(x), cos, sin)
+        h = self.hc_attn.write(h, self.drop(a), coef)
+        res_diag = coef[1].diagonal(dim1=-2, dim2=-1).mean()
+        x, coef = self.hc_ffn.read(h)
+        h = self.hc_ffn.write(h, self.drop(self.ffn(self.ffn_norm(x))), coef)
+        res_diag = (res_diag + coef[1].diagonal(dim1=-2, dim2=-1).mean()) / 2
+        return h, torch.cat([stats, res_diag.detach().view(1)])
+
+
+# ----------------------------------------------------------------------------------------------
+# The model.
+
+class NashMHC(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = cfg = config
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList([Block(cfg, i) for i in range(cfg.n_layers)])
+        self.mhc_out = StreamCollapse(cfg) if cfg.mhc_streams > 1 else None
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+        self.register_buffer("rope_cos", torch.empty(cfg.max_seq_len, cfg.head_dim // 2), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(cfg.max_seq_len, cfg.head_dim // 2), persistent=False)
+        # The XLA backend may swap in torch_xla's own checkpoint; used only when training with grad.
+        self.checkpoint_fn = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
+        names = []
+        if cfg.nash_scales > 1:
+            names += ["nash_entropy"] + [f"nash_w{l}" for l in range(cfg.nash_scales)]
+        if cfg.mhc_streams > 1:
+            names += ["mhc_res_diag"]
+        self.stat_names = names
+        self.init_weights()
+
+    def _apply(self, fn, *args, **kwargs):
+        # Moving to a device whose tensors cannot share a CPU tensor's storage type (XLA) replaces
+        # each Parameter with a new one, which unties lm_head from tok_emb: tie them again.
+        super()._apply(fn, *args, **kwargs)
+        if self.config.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+        return self
+
+    @torch.no_grad()
+    def init_weights(self):
+        """(Re)initialise every parameter and the rotary tables; call it after ``to_empty()``.
+
+        Weights N(0, init_std); the projections into the residual (wo, w2) and an untied LM head
+        N(0, init_std / sqrt(2 n_layers)) (GPT-2), so the initial loss is ~ln(vocab_size).
+        """
+        cfg = self.config
+        std, out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.n_layers)
+        for name, m in self.named_modules():
+            if isinstance(m, nn.Linear) and not (m is self.lm_head and cfg.tie_embeddings):
+                small = name.endswith((".wo", ".w2")) or m is self.lm_head
+                nn.init.normal_(m.weight, 0.0, out_std if small else std)
+            elif isinstance(m, nn.Embedding):
+                nn.init.normal_(m.weight, 0.0, std)
+            elif isinstance(m, (RMSNorm, NashAttention, HyperConnection, StreamCollapse)):
+                m.reset_parameters()
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, device=self.rope_cos.device)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+
+    def trunk(self, idx):
+        """Final-normed hidden states ``[B, T, C]`` and the blocks' mean stats."""
+        cfg = self.config
+        B, T = idx.shape
+        if T > cfg.max_seq_len:
+            raise ValueError(f"sequence length {T} is above max_seq_len={cfg.max_seq_len}")
+        Tp = -(-T // cfg.coarsest_block) * cfg.coarsest_block
+        if Tp != T:  # right padding cannot change earlier outputs of a causal model
+            idx = F.pad(idx, (0, Tp - T))
+        cos, sin = self.rope_cos[:Tp], self.rope_sin[:Tp]
+        h = self.drop(self.tok_emb(idx))
+        if cfg.mhc_streams > 1:
+            h = h.unsqueeze(2).expand(B, Tp, cfg.mhc_streams, cfg.d_model).contiguous()
+        checkpoint = cfg.activation_checkpointing and self.training and torch.is_grad_enabled()
+        stats = []
+        for block in self.blocks:
+            h, s = self.checkpoint_fn(block, h, cos, sin) if checkpoint else block(h, cos, sin)
+            stats.append(s)
+        if self.mhc_out is not None:
+            h = self.mhc_out(h)
+        return self.norm(h[:, :T]), torch.stack(stats).mean(dim=0)
+
+    def forward(self, idx, targets=None) -> ModelOutput:
+        x, stats = self.trunk(idx)
+        logits = self.lm_head(x)
+        loss = None
+        if targets is not None:
+            if targets.shape != idx.shape:
+                raise ValueError(f"targets shape {tuple(targets.shape)} differs from idx shape {tuple(idx.shape)}")
+            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-1)
+        return ModelOutput(logits, loss, self._metrics(stats))
+
+    def _metrics(self, stats):
+        metrics = {name: stats[i] for i, name in enumerate(self.stat_names)}
+        with torch.no_grad():
+            gates = [m.alpha for m in self.modules() if isinstance(m, (HyperConnection, StreamCollapse))]
+            if gates:
+                metrics["mhc_gate"] = torch.cat(gates).abs().mean()
+            taus = [m.log_tau for m in self.modules() if isinstance(m, NashAttention) and m.log_tau is not None]
+            if taus:
+                metrics["nash_tau"] = torch.cat(taus).exp().mean()
+        return {k: v.detach() for k, v in metrics.items()}
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens: int, temperature: float = 1.0, top_k: Optional[int] = None):
+        """Append ``max_new_tokens`` sampled tokens to ``idx [B, T]`` (context cropped to
+        max_seq_len; temperature <= 0: greedy). Runs in eval mode and restores the mode."""
+        was_training = self.training
+        self.eval()
+        for _ in range(max_new_tokens):
+            x, _ = self.trunk(idx[:, -self.config.max_seq_len:])
+            logits = self.lm_head(x[:, -1]).float()
+            if temperature <= 0:
+                nxt = logits.argmax(dim=-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                nxt = torch.multinomial(torch.softmax(logits, dim=-1), num_samples=1)
+            idx = torch.cat([idx, nxt], dim=1)
+        self.train(was_training)
+        return idx
+
+    # ------------------------------------------------------------------------------------------
+    # Accounting: parameters and FLOPs.
+
+    def num_params(self, non_embedding: bool = False) -> int:
+        """Parameters, a tied tensor once; ``non_embedding`` leaves out the vocabulary matrices
+        (the token embedding and an untied LM head)."""
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            n -= self.tok_emb.weight.numel()
+            if not self.config.tie_embeddings:
+                n -= self.lm_head.weight.numel()
+        return n
+
+    def component_params(self) -> dict[str, int]:
+        """Parameters per component: embedding, lm_head (untied only), attention, nash, mhc, ffn, norms."""
+        out = dict.fromkeys(["embedding", "lm_head", "attention", "nash", "mhc", "ffn", "norms"], 0)
+        for name, p in self.named_parameters():
+            out[_component(name)] += p.numel()
+        if self.config.tie_embeddings:
+            del out["lm_head"]
+        return out
+
+    def flops_breakdown(self, seq_len: Optional[int] = None) -> dict[str, float]:
+        """Training (forward + backward) FLOPs per token by component, at ``seq_len`` tokens.
+
+        Matmuls count 6 per weight per token. Attention (as in PaLM's MFU, causal masking not
+        subtracted): ``12 * H * D`` per key a query is scored against: min(window, T) keys at
+        scale 0 ("attention"), T / r**l at the coarser scales ("nash", with the aggregation's
+        consensus and distances, 12 * nash_iters * L * C). mHC: its projections phi and the stream
+        mixing (H_res, H_pre, H_post: 6 * (n^2 + 2n) * C per sub-layer). Norms, softmax, Sinkhorn
+        and other element-wise work are not counted.
+        """
+        cfg = self.config
+        T = -(-(seq_len or cfg.max_seq_len) // cfg.coarsest_block) * cfg.coarsest_block
+        C, H, D, n = cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.mhc_streams
+        L, r = cfg.nash_scales, cfg.nash_compression
+        matmul = {"attention": 0, "ffn": 0, "mhc": 0}
+        for name, m in self.named_modules():
+            if isinstance(m, nn.Linear) and m is not self.lm_head:
+                matmul[_component(name + ".weight")] += m.weight.numel()
+        keys0 = min(cfg.nash_window, T) if cfg.nash_window else T
+        coarse = sum(T // r ** l for l in range(1, L))
+        agg = 12 * cfg.nash_iters * L * C if L > 1 and cfg.aggregation == "nash" else 0
+        mixing = 2 * 6 * (n * n + 2 * n) * C if n > 1 else 0
+        per_layer = cfg.n_layers
+        return {
+            "attention": 6.0 * matmul["attention"] + 12.0 * H * D * keys0 * per_layer,
+            "nash": (12.0 * H * D * coarse + agg) * per_layer,
+            "mhc": 6.0 * matmul["mhc"] + mixing * per_layer + (6 * n * C if n > 1 else 0),
+            "ffn": 6.0 * matmul["ffn"],
+            "lm_head": 6.0 * C * cfg.vocab_size,
+        }
+
+    def flops_per_token(self, seq_len: Optional[int] = None) -> float:
+        """Training FLOPs per token (forward + backward) at ``seq_len``: the MFU numerator."""
+        return float(sum(self.flops_breakdown(seq_len).values()))
+
+    def summary(self, seq_len: Optional[int] = None) -> str:
+        cfg = self.config
+        seq_len = seq_len or cfg.max_seq_len
+        total, non_emb = self.num_params(), self.num_params(non_embedding=True)
+        params = self.component_params()
+        flops = self.flops_breakdown(seq_len)
+        fpt = sum(flops.values())
+        window = cfg.nash_window or "none"
+        lines = [
+            f"Nash-MHC: {cfg.n_layers} layers, d_model {cfg.d_model}, {cfg.n_heads} heads ({cfg.n_kv_heads} kv, "
+            f"head_dim {cfg.head_dim}), SwiGLU hidden {cfg.ffn_hidden}, vocab {cfg.vocab_size}, "
+            f"max_seq_len {cfg.max_seq_len}, {'tied' if cfg.tie_embeddings else 'untied'} embeddings",
+            f"  mHC: {cfg.mhc_streams} streams, H_res by "
+            + (f"mHC-lite ({math.factorial(cfg.mhc_streams)} permutations)" if cfg.mhc_lite
+               else f"Sinkhorn ({cfg.sinkhorn_iters} iterations)")
+            + f" | Nash: {cfg.nash_scales} scales, compression {cfg.nash_compression}, window {window}, "
+              f"{cfg.nash_iters} rounds, aggregation {cfg.aggregation}, pooling {cfg.nash_pool}",
+            f"parameters: {total:,} ({total / 1e9:.3f}B); non-embedding {non_emb:,} ({non_emb / 1e9:.3f}B)",
+            f"training FLOPs/token at seq_len {seq_len}: {fpt:.4g} ({fpt / 1e9:.2f} GFLOP; 6N = "
+            f"{6 * total / 1e9:.2f} GFLOP)",
+            f"{'component':<12}{'params':>16}{'share':>9}{'FLOPs/token':>16}{'share':>9}",
+        ]
+        for name in ["embedding", "lm_head", "attention", "nash", "mhc", "ffn", "norms"]:
+            if name not in params and name not in flops:
+                continue
+            p, f = params.get(name, 0), flops.get(name, 0.0)
+            lines.append(f"{name:<12}{p:>16,}{100 * p / total:>8.2f}%{f:>16.4g}{100 * f / fpt:>8.2f}%")
+        return "\n".join(lines)
+
+
+def _component(name: str) -> str:
+    """The summary component of a parameter name."""
+    leaf = name.split(".")
+    if leaf[0] == "tok_emb":
+        return "embedding"
+    if leaf[0] == "lm_head":
+        return "lm_head"
+    if leaf[0] == "mhc_out" or (len(leaf) > 2 and leaf[2] in ("hc_attn", "hc_ffn")):
+        return "mhc"
+    if "norm" in leaf[-2]:
+        return "norms"
+    if leaf[2] == "ffn":
+        return "ffn"
+    if leaf[3] in ("log_tau", "agg_logits", "pool_logits"):
+        return "nash"
+    return "attention"
+
+
+def load_model_config(path: str) -> ModelConfig:
+    """The ``model:`` section of a YAML config file."""
+    import yaml
+
+    with open(path) as f:
+        tree = yaml.safe_load(f)
+    if not isinstance(tree, dict) or "model" not in tree:
+        raise ValueError(f"{path}: no 'model:' section")
+    return ModelConfig.from_dict(tree["model"] if tree["model"] is not None else {})
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="Summary of a Nash-MHC model config (built on the meta "
+                                                 "device: nothing is allocated).")
+    parser.add_argument("config", help="YAML file with a model: section")
+    parser.add_argument("--seq-len", type=int, default=None, help="sequence length for FLOPs "
+                                                                  "(default: max_seq_len)")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_model_config(args.config)
+        if args.seq_len is not None and not 1 <= args.seq_len <= cfg.max_seq_len:
+            raise ValueError(f"--seq-len={args.seq_len} must be in [1, max_seq_len={cfg.max_seq_len}]")
+    except Exception as e:  # OSError, yaml.YAMLError, ValueError: one line, no traceback
+        msg = " ".join(str(e).split())
+        print(f"error: {args.config}: {msg}" if args.config not in msg else f"error: {msg}", file=sys.stderr)
+        return 2
+    with torch.device("meta"):
+        model = NashMHC(cfg)
+    print(f"{args.config}")
+    print(model.summary(args.seq_len))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

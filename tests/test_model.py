@@ -1,0 +1,556 @@
+"""model.py: the invariants of DESIGN.md section 1.4, the config, accounting and the CLI."""
+import copy
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import model as M
+from model import ModelConfig, NashMHC, nash_equilibrium, sinkhorn_knopp
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tiny(**kw) -> ModelConfig:
+    """A small config (fast on CPU); scale 0 windowed and chunked at T > 16."""
+    base = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64,
+                nash_window=8, nash_scales=3, nash_compression=2, mhc_streams=4)
+    return ModelConfig(**{**base, **kw})
+
+
+def build(cfg: ModelConfig, seed: int = 0) -> NashMHC:
+    torch.manual_seed(seed)
+    return NashMHC(cfg)
+
+
+# -- config -------------------------------------------------------------------------------------
+
+def test_defaults_are_the_demo_model():
+    c = ModelConfig()
+    assert (c.vocab_size, c.d_model, c.n_layers, c.n_heads, c.n_kv_heads, c.max_seq_len) == (512, 128, 4, 4, 2, 256)
+    assert (c.mhc_streams, c.nash_scales, c.nash_compression, c.nash_window, c.nash_iters) == (4, 3, 4, 64, 3)
+    assert c.aggregation == "nash" and c.ffn_hidden == 352  # 2.67 * 128 = 341.8, up to a multiple of 32
+
+
+@pytest.mark.parametrize("kw, start", [
+    (dict(d_model=100, n_heads=3), "d_model=100 is not divisible by n_heads=3"),
+    (dict(d_model=36, n_heads=4), "d_model=36 gives head_dim=9"),
+    (dict(n_heads=4, n_kv_heads=3), "n_kv_heads=3 does not divide n_heads=4"),
+    (dict(max_seq_len=100), "max_seq_len=100 is not a multiple of the coarsest block"),
+    (dict(nash_scales=0), "nash_scales=0 must be at least 1"),
+    (dict(nash_compression=1), "nash_compression=1"),
+    (dict(nash_window=-1), "nash_window=-1"),
+    (dict(dropout=1.0), "dropout=1.0"),
+    (dict(init_std=0.0), "init_std=0.0 must be positive"),
+    (dict(mhc_streams=0), "mhc_streams=0"),
+    (dict(mhc_streams=7, mhc_lite=True), "mhc_lite=true needs mhc_streams <= 6"),
+    (dict(aggregation="nahs"), "aggregation='nahs' is not one of nash, convex, mean (did you mean 'nash'?)"),
+    (dict(nash_pool="max"), "nash_pool='max' is not one of mean, learned"),
+    (dict(d_model="128"), "d_model must be an integer"),
+    (dict(n_layers=2.5), "n_layers must be an integer"),
+    (dict(tie_embeddings=1), "tie_embeddings must be true or false"),
+    (dict(rope_theta=float("inf")), "rope_theta must be a finite number"),
+])
+def test_config_rejects_with_the_field_name_first(kw, start):
+    with pytest.raises(ValueError) as e:
+        ModelConfig(**kw)
+    assert str(e.value).startswith(start), str(e.value)
+
+
+def test_config_from_dict_and_to_dict():
+    c = ModelConfig.from_dict({"d_model": 64, "rope_theta": "1e4", "n_layers": 2.0})
+    assert c.d_model == 64 and c.rope_theta == 10000.0 and c.n_layers == 2 and isinstance(c.n_layers, int)
+    assert ModelConfig.from_dict(c.to_dict()) == c
+    with pytest.raises(ValueError, match=r"^d_modle: unknown model field \(did you mean 'd_model'\?\)"):
+        ModelConfig.from_dict({"d_modle": 64})
+    with pytest.raises(ValueError, match="^zzz: unknown model field; valid fields: vocab_size"):
+        ModelConfig.from_dict({"zzz": 1})
+    with pytest.raises(ValueError, match="expected a mapping"):
+        ModelConfig.from_dict([1, 2])
+
+
+def test_ffn_hidden_rounds_up_to_the_multiple():
+    assert ModelConfig(d_model=2048, n_heads=16, ffn_mult=7.5, ffn_multiple_of=256).ffn_hidden == 15360
+    assert ModelConfig(ffn_mult=2.0, ffn_multiple_of=64).ffn_hidden == 256
+    assert ModelConfig(ffn_mult=2.01, ffn_multiple_of=64).ffn_hidden == 320
+
+
+# -- Sinkhorn-Knopp -----------------------------------------------------------------------------
+
+@st.composite
+def logit_matrices(draw):
+    n = draw(st.integers(1, 6))
+    batch = draw(st.lists(st.integers(1, 3), min_size=0, max_size=2))
+    size = n * n * math.prod(batch)
+    extreme = st.sampled_from([-1e4, 1e4, 0.0])
+    values = draw(st.lists(st.one_of(st.floats(-1e4, 1e4), extreme, st.floats(-5, 5)),
+                           min_size=size, max_size=size))
+    return torch.tensor(values, dtype=torch.float32).view(*batch, n, n)
+
+
+@settings(max_examples=150, deadline=None)
+@given(logit_matrices(), st.sampled_from([1, 3, 20]))
+def test_sinkhorn_is_doubly_stochastic_with_finite_grads(z, iters):
+    z = z.clone().requires_grad_()
+    p = sinkhorn_knopp(z, iters)
+    assert p.dtype == torch.float32 and p.shape == z.shape
+    assert torch.isfinite(p).all() and (p >= 0).all()
+    assert torch.allclose(p.sum(-1), torch.ones(()), atol=1e-3)
+    assert torch.allclose(p.sum(-2), torch.ones(()), atol=1e-3)
+    (p * torch.randn_like(p)).sum().backward()
+    assert torch.isfinite(z.grad).all()
+
+
+def _sinkhorn_limit(z, iters=2000):
+    """The true Sinkhorn limit, in float64 and log space."""
+    lp = z.double()
+    for _ in range(iters):
+        lp = lp - lp.logsumexp(-1, keepdim=True)
+        lp = lp - lp.logsumexp(-2, keepdim=True)
+    return lp.exp()
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 6])
+def test_sinkhorn_matches_the_limit_for_ordinary_logits(n):
+    # the closing projection is a no-op when 20 iterations converged: this is plain Sinkhorn
+    torch.manual_seed(n)
+    z = torch.randn(64, n, n)
+    assert torch.allclose(sinkhorn_knopp(z, 20).double(), _sinkhorn_limit(z), atol=1e-3)
+
+
+def test_sinkhorn_is_fp32_for_bf16_logits_and_under_autocast():
+    z = torch.randn(3, 4, 4).bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert sinkhorn_knopp(z, 20).dtype == torch.float32
+
+
+def test_sinkhorn_backward_matches_autograd_of_the_plain_loop():
+    torch.manual_seed(0)
+    z = torch.randn(5, 4, 4, dtype=torch.float64)
+    w = torch.randn(5, 4, 4, dtype=torch.float64)
+
+    def plain(z, iters=7, eps=1e-6):
+        p = torch.softmax(z, dim=-1) + eps
+        for _ in range(iters):
+            p = p / (p.sum(-1, keepdim=True) + eps)
+            p = p / (p.sum(-2, keepdim=True) + eps)
+        return p
+
+    def ours(z, iters=7, eps=1e-6):
+        p = (torch.softmax(z, dim=-1) + eps).permute(1, 2, 0).contiguous()
+        return M._SinkhornIterations.apply(p, iters, eps).permute(2, 0, 1)
+
+    za, zb = z.clone().requires_grad_(), z.clone().requires_grad_()
+    pa, pb = plain(za), ours(zb)
+    assert torch.allclose(pa, pb, atol=1e-12)
+    (pa * w).sum().backward()
+    (pb * w).sum().backward()
+    assert torch.allclose(za.grad, zb.grad, atol=1e-10)
+    assert torch.autograd.gradcheck(lambda z: ours(z, 5), (z.clone().requires_grad_(),))
+
+
+def test_mhc_starts_at_identity_and_coefficients_are_fp32_under_autocast():
+    cfg = tiny()
+    hc = build(cfg).blocks[0].hc_attn
+    h = torch.randn(2, 8, cfg.mhc_streams, cfg.d_model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        pre, post, res = hc.coefficients(h.bfloat16())
+    assert pre.dtype == post.dtype == res.dtype == torch.float32
+    eye = torch.eye(cfg.mhc_streams)
+    assert torch.allclose(res, eye.expand_as(res), atol=5e-3)
+    assert torch.allclose(post, torch.ones(()), atol=0.05)
+
+
+def test_mhc_lite_is_exactly_doubly_stochastic():
+    cfg = tiny(mhc_lite=True)
+    hc = build(cfg).blocks[1].hc_ffn
+    with torch.no_grad():
+        hc.alpha.fill_(3.0)  # far from the identity init
+    _, _, res = hc.coefficients(torch.randn(2, 16, cfg.mhc_streams, cfg.d_model))
+    assert (res >= 0).all()
+    assert torch.allclose(res.sum(-1), torch.ones(()), atol=1e-5)
+    assert torch.allclose(res.sum(-2), torch.ones(()), atol=1e-5)
+
+
+# -- Nash equilibrium ---------------------------------------------------------------------------
+
+def _nash_direct(outputs, valid, tau, iters):
+    """The definition, distances to the consensus computed directly."""
+    valid_f = valid.to(outputs.dtype)
+    w = valid_f / valid_f.sum(-1, keepdim=True)
+    for _ in range(iters):
+        consensus = (w.unsqueeze(-1) * outputs).sum(-2, keepdim=True)
+        loss = (outputs - consensus).pow(2).mean(-1)
+        w = torch.softmax((-loss / tau).masked_fill(~valid, float("-inf")), dim=-1)
+    return w
+
+
+@st.composite
+def scale_outputs(draw):
+    L, D, T = draw(st.integers(1, 4)), draw(st.integers(1, 8)), draw(st.integers(1, 6))
+    valid = torch.tensor(draw(st.lists(st.booleans(), min_size=T * L, max_size=T * L))).view(T, L)
+    valid[:, 0] = True  # scale 0 always has an output
+    seed = draw(st.integers(0, 2**16))
+    identical = draw(st.booleans())
+    return L, D, T, valid, seed, identical
+
+
+@settings(max_examples=80, deadline=None)
+@given(scale_outputs(), st.floats(0.01, 10.0), st.integers(1, 4))
+def test_nash_weights_on_the_simplex_of_valid_scales(case, tau, iters):
+    L, D, T, valid, seed, identical = case
+    g = torch.Generator().manual_seed(seed)
+    if identical:
+        outputs = torch.randn(2, T, 1, D, generator=g).expand(2, T, L, D).clone()
+    else:
+        outputs = torch.randn(2, T, L, D, generator=g) * 3
+    outputs.requires_grad_()
+    log_tau = torch.tensor(math.log(tau), requires_grad=True)
+    w = nash_equilibrium(outputs, valid, log_tau.exp(), iters)
+    assert w.shape == (2, T, L) and torch.isfinite(w).all()
+    assert (w >= 0).all() and torch.all(w[:, ~valid] == 0)
+    assert torch.allclose(w.sum(-1), torch.ones(()), atol=1e-5)
+    if identical:  # every scale is the consensus: uniform over the valid ones
+        uniform = valid.float() / valid.sum(-1, keepdim=True)
+        assert torch.allclose(w, uniform.expand_as(w), atol=1e-5)
+    (w * torch.randn_like(w)).sum().backward()
+    assert torch.isfinite(outputs.grad).all() and torch.isfinite(log_tau.grad)
+    # the Gram-matrix rounds are the definition (checked in float64, where rounding is negligible)
+    o64 = outputs.detach().double()
+    assert torch.allclose(nash_equilibrium(o64, valid, tau, iters), _nash_direct(o64, valid, tau, iters), atol=1e-9)
+
+
+def test_nash_ignores_the_outputs_of_invalid_scales():
+    torch.manual_seed(0)
+    outputs = torch.randn(4, 3, 8)
+    valid = torch.tensor([[True, True, False]] * 4)
+    poisoned = outputs.clone()
+    poisoned[:, 2] = 1e6
+    assert torch.equal(nash_equilibrium(outputs, valid, 1.0, 3), nash_equilibrium(poisoned, valid, 1.0, 3))
+
+
+# -- the model: causality, equivalence, precision, init -----------------------------------------
+
+CAUSAL_CONFIGS = {
+    "plain": dict(mhc_streams=1, nash_scales=1, nash_window=0),
+    "window-dense": dict(mhc_streams=1, nash_scales=1, nash_window=32),
+    "window-chunked": dict(mhc_streams=1, nash_scales=1, nash_window=5),
+    "streams4-scales1": dict(nash_scales=1, nash_window=0),
+    "streams1-scales2": dict(mhc_streams=1, nash_scales=2, nash_window=0),
+    "streams4-scales3-window": dict(),
+    "streams4-scales4-r2": dict(nash_scales=4, nash_window=6),
+    "scales3-r4-lite-learned": dict(nash_compression=4, mhc_lite=True, nash_pool="learned", nash_window=0),
+    "convex": dict(aggregation="convex", nash_window=7),
+    "mean": dict(aggregation="mean", mhc_streams=2),
+}
+
+
+@pytest.mark.parametrize("name", list(CAUSAL_CONFIGS))
+def test_causality_is_exact(name):
+    """Changing the tokens after t changes no logit at positions <= t (bitwise, fp32)."""
+    cfg = tiny(**CAUSAL_CONFIGS[name])
+    m = build(cfg).eval()
+    T = 45  # not a multiple of the coarsest block: exercises the right padding
+    g = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, cfg.vocab_size, (2, T), generator=g)
+    with torch.no_grad():
+        ref = m(idx).logits
+        for t in [0, 1, 2, 6, 7, 15, 16, 23, 31, 44 - 1]:
+            changed = idx.clone()
+            shift = torch.randint(1, cfg.vocab_size, (2, T - t - 1), generator=g)
+            changed[:, t + 1:] = (idx[:, t + 1:] + shift) % cfg.vocab_size  # every later token differs
+            out = m(changed).logits
+            assert torch.equal(out[:, :t + 1], ref[:, :t + 1]), f"position <= {t} saw the future"
+            assert not torch.equal(out[:, t + 1:], ref[:, t + 1:])  # the change is visible later
+
+
+def test_right_padding_changes_nothing():
+    # Not bitwise: a shorter input is padded to 8 tokens, not 16, and products of other shapes
+    # (and the dense instead of the banded window mask) round differently, by ~1 ulp.
+    m = build(tiny(nash_scales=4)).eval()  # coarsest block 8
+    idx = torch.randint(0, 64, (3, 16))
+    with torch.no_grad():
+        full = m(idx).logits
+        for T in (1, 5, 9, 13):
+            assert torch.allclose(m(idx[:, :T]).logits, full[:, :T], rtol=0, atol=1e-6)
+
+
+def _rope(x, theta):
+    """Rotary embedding of x [B, heads, T, D], written independently of model.py."""
+    D, T = x.shape[-1], x.shape[-2]
+    freqs = theta ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)
+    ang = torch.arange(T, dtype=torch.float64)[:, None] * freqs[None]
+    cos, sin = ang.cos().float(), ang.sin().float()
+    x1, x2 = x[..., : D // 2], x[..., D // 2:]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+def _reference_transformer(sd, cfg, idx, window=0):
+    """A plain pre-norm Llama-style transformer (RMSNorm, RoPE, GQA, SwiGLU) on model weights."""
+    def rms(x, w):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.norm_eps) * w
+
+    B, T = idx.shape
+    H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    t = torch.arange(T)
+    allowed = t[None, :] <= t[:, None]
+    if window:
+        allowed &= t[:, None] - t[None, :] < window
+    x = sd["tok_emb.weight"][idx]
+    for i in range(cfg.n_layers):
+        p = lambda name: sd[f"blocks.{i}.{name}"]  # noqa: E731
+        a = rms(x, p("attn_norm.weight"))
+        q = _rope((a @ p("attn.wq.weight").T).view(B, T, H, D).transpose(1, 2), cfg.rope_theta)
+        k = _rope((a @ p("attn.wk.weight").T).view(B, T, Hkv, D).transpose(1, 2), cfg.rope_theta)
+        v = (a @ p("attn.wv.weight").T).view(B, T, Hkv, D).transpose(1, 2)
+        k, v = k.repeat_interleave(H // Hkv, dim=1), v.repeat_interleave(H // Hkv, dim=1)
+        att = (q @ k.transpose(-1, -2) / math.sqrt(D)).masked_fill(~allowed, float("-inf")).softmax(-1)
+        x = x + (att @ v).transpose(1, 2).reshape(B, T, H * D) @ p("attn.wo.weight").T
+        f = rms(x, p("ffn_norm.weight"))
+        x = x + (F.silu(f @ p("ffn.w1.weight").T) * (f @ p("ffn.w3.weight").T)) @ p("ffn.w2.weight").T
+    x = rms(x, sd["norm.weight"])
+    return x @ sd["lm_head.weight"].T
+
+
+@pytest.mark.parametrize("window", [0, 5, 24])
+def test_one_stream_one_scale_is_a_plain_transformer(window):
+    cfg = tiny(mhc_streams=1, nash_scales=1, nash_window=window, tie_embeddings=False)
+    m = build(cfg).eval()
+    with torch.no_grad():  # the norm weights start at 1: make them count
+        for name, p in m.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    idx = torch.randint(0, cfg.vocab_size, (2, 45))
+    sd = {k: v for k, v in m.state_dict().items()}
+    with torch.no_grad():
+        ours, ref = m(idx).logits, _reference_transformer(sd, cfg, idx, window)
+    assert torch.allclose(ours, ref, atol=1e-5, rtol=1e-5), (ours - ref).abs().max()
+
+
+def test_bf16_autocast_on_cpu_is_close_to_fp32():
+    cfg = tiny()
+    m = build(cfg).eval()
+    idx = torch.randint(0, cfg.vocab_size, (2, 40))
+    tgt = torch.randint(0, cfg.vocab_size, (2, 40))
+    with torch.no_grad():
+        ref = m(idx, tgt)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            low = m(idx, tgt)
+    assert low.logits.dtype == torch.bfloat16 and low.loss.dtype == torch.float32
+    assert torch.allclose(low.logits.float(), ref.logits, atol=0.03)
+    assert abs(low.loss.item() - ref.loss.item()) < 0.01
+    m.train()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        m(idx, tgt).loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in m.parameters())
+
+
+@pytest.mark.parametrize("kw", [
+    dict(), dict(nash_scales=4, nash_window=0), dict(mhc_streams=1, nash_scales=1),
+    dict(tie_embeddings=False), dict(mhc_lite=True, nash_pool="learned"),
+    dict(d_model=128, n_heads=8, n_kv_heads=8, n_layers=6, vocab_size=1000, aggregation="convex"),
+])
+def test_initial_loss_is_about_ln_vocab(kw):
+    cfg = tiny(**kw)
+    m = build(cfg)
+    g = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, cfg.vocab_size, (4, 64), generator=g)
+    tgt = torch.randint(0, cfg.vocab_size, (4, 64), generator=g)
+    with torch.no_grad():
+        loss = m(idx, tgt).loss.item()
+    assert abs(loss - math.log(cfg.vocab_size)) < 0.5, loss
+
+
+def test_loss_ignores_minus_one_targets():
+    m = build(tiny()).eval()
+    idx = torch.randint(0, 64, (2, 20))
+    tgt = torch.randint(0, 64, (2, 20))
+    masked = tgt.clone()
+    masked[:, 10:] = -1
+    with torch.no_grad():
+        out = m(idx, masked)
+        logits = m(idx).logits
+    expected = F.cross_entropy(logits[:, :10].reshape(-1, 64), tgt[:, :10].reshape(-1))
+    assert torch.allclose(out.loss, expected, atol=1e-6)
+    assert m(idx).loss is None
+
+
+def test_activation_checkpointing_gives_the_same_loss_and_grads():
+    cfg = tiny(nash_pool="learned")
+    plain = build(cfg)
+    ckpt = build(dataclass_replace(cfg, activation_checkpointing=True))
+    ckpt.load_state_dict(plain.state_dict())
+    calls = []
+    inner = ckpt.checkpoint_fn
+    ckpt.checkpoint_fn = lambda *a, **k: calls.append(1) or inner(*a, **k)
+    idx, tgt = torch.randint(0, 64, (2, 40)), torch.randint(0, 64, (2, 40))
+    a, b = plain(idx, tgt), ckpt(idx, tgt)
+    a.loss.backward()
+    b.loss.backward()
+    assert len(calls) == cfg.n_layers
+    assert torch.equal(a.loss, b.loss)
+    for (name, p), q in zip(plain.named_parameters(), ckpt.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-8), name
+    calls.clear()
+    with torch.no_grad():
+        ckpt(idx, tgt)
+    ckpt.eval()
+    ckpt(idx, tgt)
+    assert not calls  # only when training with grad
+
+
+def dataclass_replace(cfg, **kw):
+    return ModelConfig(**{**cfg.to_dict(), **kw})
+
+
+def test_dropout_only_in_training():
+    m = build(tiny(dropout=0.5))
+    idx = torch.randint(0, 64, (2, 20))
+    with torch.no_grad():
+        assert not torch.equal(m(idx).logits, m(idx).logits)
+        m.eval()
+        assert torch.equal(m(idx).logits, m(idx).logits)
+
+
+def test_metrics_are_detached_scalars():
+    cfg = tiny()
+    out = build(cfg)(torch.randint(0, 64, (2, 30)))
+    expected = {"nash_entropy", "nash_w0", "nash_w1", "nash_w2", "mhc_res_diag", "mhc_gate", "nash_tau"}
+    assert set(out.metrics) == expected
+    for v in out.metrics.values():
+        assert v.ndim == 0 and not v.requires_grad and torch.isfinite(v)
+    assert 0 <= out.metrics["nash_entropy"] <= math.log(cfg.nash_scales) + 1e-6
+    total = sum(out.metrics[f"nash_w{l}"] for l in range(3))
+    assert torch.allclose(total, torch.ones(()), atol=1e-5)
+    assert build(tiny(mhc_streams=1, nash_scales=1))(torch.randint(0, 64, (1, 8))).metrics == {}
+
+
+def test_forward_rejects_bad_shapes():
+    m = build(tiny())
+    with pytest.raises(ValueError, match="above max_seq_len=64"):
+        m(torch.zeros(1, 65, dtype=torch.long))
+    with pytest.raises(ValueError, match="targets shape"):
+        m(torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 7, dtype=torch.long))
+
+
+def test_generate_gives_valid_ids_and_crops_the_context():
+    cfg = tiny()
+    m = build(cfg)
+    prompt = torch.randint(0, cfg.vocab_size, (2, cfg.max_seq_len - 3))
+    out = m.generate(prompt, 6, temperature=0.8, top_k=5)
+    assert out.shape == (2, cfg.max_seq_len + 3) and torch.equal(out[:, :prompt.shape[1]], prompt)
+    assert out.min() >= 0 and out.max() < cfg.vocab_size and out.dtype == torch.long
+    assert m.training  # mode restored
+    greedy = m.generate(prompt[:, :10], 4, temperature=0)
+    assert torch.equal(greedy, m.generate(prompt[:, :10], 4, top_k=1))
+
+
+# -- names, parameter groups, accounting --------------------------------------------------------
+
+def test_parameter_names_and_no_decay_shapes():
+    m = build(tiny(nash_pool="learned"))
+    names = dict(m.named_parameters())
+    for name in ["tok_emb.weight", "blocks.0.attn.wq.weight", "blocks.0.attn.wk.weight",
+                 "blocks.0.attn.wv.weight", "blocks.0.attn.wo.weight", "blocks.1.ffn.w1.weight",
+                 "blocks.1.ffn.w2.weight", "blocks.1.ffn.w3.weight", "blocks.0.hc_attn.alpha",
+                 "blocks.0.attn.log_tau", "blocks.0.attn.pool_logits.0", "norm.weight"]:
+        assert name in names, name
+    assert m.lm_head.weight is m.tok_emb.weight and isinstance(m.blocks, torch.nn.ModuleList)
+    linears = {id(mod.weight) for mod in m.modules() if isinstance(mod, torch.nn.Linear)}
+    assert all(mod.bias is None for mod in m.modules() if isinstance(mod, torch.nn.Linear))
+    for name, p in names.items():
+        if p.ndim >= 2:  # decayed matrices are Linear weights; the only other matrix is the embedding
+            assert id(p) in linears or name == "tok_emb.weight", name
+    assert m.blocks[0].attn.wq.weight.shape == (32, 32) and m.blocks[0].attn.wk.weight.shape == (16, 32)
+
+
+def test_tying_survives_moves_and_meta_init():
+    m = build(tiny()).to(torch.float64)
+    assert m.lm_head.weight is m.tok_emb.weight
+    with torch.device("meta"):
+        meta = NashMHC(tiny())
+    assert meta.tok_emb.weight.is_meta
+    meta.to_empty(device="cpu")
+    assert meta.lm_head.weight is meta.tok_emb.weight
+    meta.init_weights()
+    fresh = build(tiny())
+    assert torch.equal(meta.rope_cos, fresh.rope_cos) and torch.equal(meta.rope_sin, fresh.rope_sin)
+    out = meta(torch.randint(0, 64, (1, 16)))
+    assert torch.isfinite(out.logits).all()
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_num_params_and_components(tie):
+    cfg = tiny(tie_embeddings=tie)
+    m = build(cfg)
+    unique = sum(p.numel() for p in {id(p): p for p in m.parameters()}.values())
+    vocab = cfg.vocab_size * cfg.d_model
+    assert m.num_params() == unique
+    assert m.num_params(non_embedding=True) == unique - vocab * (1 if tie else 2)
+    parts = m.component_params()
+    assert sum(parts.values()) == unique and ("lm_head" in parts) == (not tie)
+    assert parts["ffn"] == cfg.n_layers * 3 * cfg.d_model * cfg.ffn_hidden
+
+
+def test_flops_per_token():
+    cfg = tiny(mhc_streams=1, nash_scales=1, nash_window=0)
+    m = build(cfg)
+    matmul = sum(mod.weight.numel() for name, mod in m.named_modules()
+                 if isinstance(mod, torch.nn.Linear) and name != "lm_head")
+    T = 48
+    expected = 6 * (matmul + cfg.d_model * cfg.vocab_size) + 12 * cfg.n_layers * cfg.d_model * T
+    assert m.flops_per_token(T) == expected
+    windowed = build(tiny(mhc_streams=1, nash_scales=1, nash_window=8))
+    assert windowed.flops_per_token(T) == expected - 12 * cfg.n_layers * cfg.d_model * (T - 8)
+    scaled = build(tiny(mhc_streams=1, nash_scales=3, nash_window=0))  # + T/2 + T/4 keys, + aggregation
+    extra = 12 * cfg.n_layers * cfg.d_model * (T // 2 + T // 4 + 3 * 3)
+    assert scaled.flops_per_token(T) == expected + extra
+    assert build(tiny()).flops_per_token(T) > build(tiny(mhc_streams=1)).flops_per_token(T)
+
+
+# -- the CLI ------------------------------------------------------------------------------------
+
+def _cli(*args):
+    return subprocess.run([sys.executable, str(ROOT / "model.py"), *args], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)
+
+
+def test_cli_summary_of_the_3b_config():
+    r = _cli("configs/nash_mhc_3b.yaml")
+    assert r.returncode == 0, r.stderr
+    line = next(s for s in r.stdout.splitlines() if s.startswith("parameters:"))
+    total = int(line.split()[1].replace(",", ""))
+    assert abs(total - 3.38e9) <= 0.05 * 3.38e9
+    for part in ["embedding", "attention", "nash", "mhc", "ffn", "norms", "FLOPs/token"]:
+        assert part in r.stdout
+
+
+@pytest.mark.parametrize("text, message", [
+    ("model:\n  d_modle: 64\n", "d_modle: unknown model field (did you mean 'd_model'?)"),
+    ("model:\n  d_model: 100\n  n_heads: 3\n", "d_model=100 is not divisible by n_heads=3"),
+    ("training: {}\n", "no 'model:' section"),
+    ("model: [\n", "error:"),
+    (None, "No such file"),
+])
+def test_cli_bad_config_is_one_line(tmp_path, capsys, text, message):
+    path = tmp_path / "bad.yaml"
+    if text is not None:
+        path.write_text(text)
+    assert M.main([str(path)]) != 0
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and len(err.strip().splitlines()) == 1 and message in err, err
+
+
+def test_cli_process_exits_non_zero_without_traceback(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("model:\n  aggregation: nahs\n")
+    r = _cli(str(path))
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip() == (f"error: {path}: aggregation='nahs' is not one of nash, convex, mean "
+                                "(did you mean 'nash'?)")
