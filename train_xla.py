@@ -82,9 +82,10 @@ def run(cfg) -> int:
     return 0
 
 
-if multiprocessing.parent_process() is not None:
-    # Imported in an xmp.spawn worker: its training loop runs in a thread, so the stop-and-save
-    # signal handlers are installed here, in the worker's main thread.
+if __name__ == "__mp_main__":
+    # Imported by an xmp.spawn worker (spawn re-runs the main script under this name, in the
+    # worker's main thread). Its training loop runs in a thread that cannot install signal
+    # handlers, so the stop-and-save handlers are installed here.
     STOP.install()
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import os
 import random
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,6 +60,9 @@ class StopRequested:
              "(Ctrl+C again to exit at once)")
 
     def restore(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            self.requested = False  # the handlers stay with the main thread that installed them
+            return
         for sig, old in self._old.items():
             signal.signal(sig, old)
         self._old = {}
@@ -148,6 +152,8 @@ def train(cfg: Config, backend: Backend) -> int:
     train_model = backend.prepare_model(model, cfg)
     raw_model = backend.unwrap(train_model)
     optimizer = build_optimizer(raw_model, t_cfg, backend.adamw_factory())
+    if hasattr(optimizer, "init_state"):
+        optimizer.init_state()  # state exists before step 1: the first step traces the steady graph
     if resumed is None:
         backend.prepare_optimizer(optimizer)
     else:
@@ -175,9 +181,12 @@ def train(cfg: Config, backend: Backend) -> int:
     device = backend.device
 
     # Device-side counters: no host sync needed to keep them.
-    streak = torch.zeros((), device=device)       # non-finite steps in a row
-    worst_streak = torch.zeros((), device=device)  # the longest streak since the last log
-    skipped = torch.zeros((), device=device)      # non-finite steps since the last log
+    # Cumulative, never reset: every step then traces the same graph (XLA compiles it once).
+    streak = torch.zeros((), device=device)        # non-finite steps in a row
+    worst_streak = torch.zeros((), device=device)  # the longest such run in this process
+    skipped = torch.zeros((), device=device)       # non-finite steps in this process
+    skipped_logged = 0
+    backend.sync()  # materialise the counters and the optimiser state: step 1 = every later step
 
     host = {"stop_nonfinite": False, "last_log_time": time.time(), "last_log_step": state.step,
             "last": {}}
@@ -203,18 +212,17 @@ def train(cfg: Config, backend: Backend) -> int:
         log(f"saved {path} ({reason})")
 
     def evaluate() -> torch.Tensor:
+        """Mean validation loss over the same ``evaluation.steps`` batches every time."""
         raw_model.eval()
-        total = torch.zeros((), device=device)
-        n = 0
+        batch_losses = []
         with torch.no_grad():
             for x, y in backend.batches(eval_batches(val_ds, t_cfg.batch_size, cfg.evaluation.steps,
                                                       replicas, backend.rank)):
                 with backend.autocast(amp_dtype):
-                    total += raw_model(x, y).loss.float()
-                n += 1
-                backend.sync()
+                    batch_losses.append(raw_model(x, y).loss.float())
+                backend.sync()  # one forward graph, the same for every batch
         raw_model.train()
-        return backend.mean_across(total / max(n, 1))
+        return backend.mean_across(torch.stack(batch_losses).mean())
 
     def on_log(values: dict) -> None:
         """Runs on the host once a log step's tensors are computed (XLA: in a step closure)."""
@@ -223,8 +231,10 @@ def train(cfg: Config, backend: Backend) -> int:
         dt = max(now - host["last_log_time"], 1e-9)
         steps = step - host["last_log_step"]
         host["last_log_time"], host["last_log_step"] = now, step
-        skipped_n = int(values.pop("_skipped"))
-        state.nonfinite_total += skipped_n
+        nonlocal skipped_logged
+        skipped_now = int(values.pop("_skipped"))
+        state.nonfinite_total += skipped_now - skipped_logged
+        skipped_logged = skipped_now
         if values.pop("_worst_streak") >= t_cfg.max_nonfinite_steps:
             host["stop_nonfinite"] = True
         rec = {"loss": values.pop("loss"), "lr": values.pop("lr"), "grad_norm": values.pop("grad_norm"),
@@ -258,20 +268,20 @@ def train(cfg: Config, backend: Backend) -> int:
         while state.step < max_steps:
             lr = lr_at(state.step, max_steps, t_cfg.learning_rate, t_cfg.warmup_steps, t_cfg.min_lr_ratio)
             set_lr(optimizer, lr / t_cfg.learning_rate)
-            loss_sum = torch.zeros((), device=device)
+            micro_losses = []
             for micro in range(accum):
                 x, y = next(batches)
                 with backend.no_sync(train_model, last_micro_step=micro == accum - 1):
                     with backend.autocast(amp_dtype):
                         out = train_model(x, y)
                     (out.loss / accum).backward()
-                loss_sum += out.loss.detach().float()
+                micro_losses.append(out.loss.detach().float())
             backend.reduce_gradients(optimizer)
             grads = [p.grad for p in params if p.grad is not None]
             grad_norm = torch.nn.utils.get_total_norm(grads)
             if t_cfg.grad_clip > 0:
                 torch.nn.utils.clip_grads_with_norm_(params, t_cfg.grad_clip, grad_norm)
-            loss = loss_sum / accum
+            loss = micro_losses[0] if accum == 1 else torch.stack(micro_losses).mean()
             ok = torch.isfinite(loss) & torch.isfinite(grad_norm)
             optimizer.found_inf = (~ok).float()
             optimizer.step()
@@ -287,16 +297,16 @@ def train(cfg: Config, backend: Backend) -> int:
             last = state.step == max_steps
             do_eval = last or (cfg.evaluation.interval > 0 and state.step % cfg.evaluation.interval == 0)
             do_log = last or do_eval or state.step % cfg.logging.interval == 0
+            # Held every step, not only at log steps, so that every step's graph has the same
+            # outputs (one compilation on XLA); they reach the host only at log steps.
+            values = {"loss": loss, "grad_norm": grad_norm, "_skipped": skipped,
+                      "_worst_streak": worst_streak, **out.metrics}
             if do_log:
-                values = {"loss": backend.mean_across(loss), "grad_norm": grad_norm,
-                          "lr": torch.tensor(lr), "_skipped": skipped, "_worst_streak": worst_streak,
+                values = {**values, "loss": backend.mean_across(loss), "lr": torch.tensor(lr),
                           "_step": torch.tensor(state.step)}
-                values.update({k: v for k, v in out.metrics.items()})
                 if do_eval:
                     values["eval_loss"] = evaluate()
                 backend.on_host(on_log, values)
-                skipped = torch.zeros((), device=device)
-                worst_streak = torch.zeros((), device=device)
             backend.sync()
             monitor.advance(state.step)
 

@@ -137,8 +137,6 @@ class XLABackend(Backend):
         """SPMD: create the optimiser state now, sharded like its parameter (FSDP)."""
         if not self.spmd:
             return
-        if hasattr(optimizer, "init_state"):
-            optimizer.init_state()
         for group in optimizer.param_groups:
             for p in group["params"]:
                 spec = self._specs.get(id(p), (None,) * p.ndim)

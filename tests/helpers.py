@@ -1,0 +1,60 @@
+"""Helpers shared by the trainer tests: a tiny config on the stdlib test corpus, metrics readers,
+and subprocess runners."""
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PJRT_DEVICE": "CPU"}
+ENV.pop("CPU_NUM_DEVICES", None)
+
+
+def tiny_config(tmp_path: Path, data_dir: Path, **over) -> Path:
+    cfg = {
+        "model": {"vocab_size": 512, "d_model": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2,
+                  "max_seq_len": 64, "mhc_streams": 2, "nash_scales": 2, "nash_compression": 4,
+                  "nash_window": 16, "dropout": 0.0},
+        "data": {"dir": str(data_dir), "seq_len": 32, "num_workers": 0},
+        "training": {"batch_size": 4, "max_steps": 20, "learning_rate": 3e-3, "warmup_steps": 4,
+                     "precision": "fp32", "seed": 7, "device": "cpu"},
+        "evaluation": {"interval": 10, "steps": 2},
+        "checkpoint": {"dir": str(tmp_path / "run"), "interval": 5, "keep": 2},
+        "logging": {"interval": 1, "tensorboard": False, "progress_bar": False},
+    }
+    for key, value in over.items():
+        section, k = key.split(".", 1)
+        cfg[section][k] = value
+    p = tmp_path / "cfg.yaml"
+    p.write_text(yaml.safe_dump(cfg))
+    return p
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return {m["step"]: m["loss"] for m in metrics(run_dir)}
+
+
+def run(args, env=None, **kw):
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env or ENV, capture_output=True,
+                          text=True, timeout=600, **kw)
+
+
+def wait_for_step(run_dir: Path, proc, step: int, timeout=300):
+    """Block until metrics.jsonl has ``step`` lines (or the process ended)."""
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if proc.poll() is not None:
+            return
+        if len(metrics(run_dir)) >= step:
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"run did not reach step {step}")

@@ -1,0 +1,115 @@
+"""train.py end to end on CPU: exact resume after SIGTERM, DDP global-batch equivalence, NaN
+handling, metrics and checkpoints. Tiny fp32 models on the stdlib test corpus."""
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import ENV, ROOT, losses, metrics, run, tiny_config, wait_for_step
+
+
+def test_trains_logs_and_checkpoints(tmp_path, stdlib_data):
+    cfg = tiny_config(tmp_path, stdlib_data)
+    r = run(["train.py", str(cfg)])
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = metrics(tmp_path / "run")
+    assert [m["step"] for m in rows] == list(range(1, 21))
+    for key in ("loss", "lr", "grad_norm", "tokens_seen", "tokens_per_sec"):
+        assert all(key in m for m in rows), key
+    assert rows[-1]["tokens_seen"] == 20 * 4 * 32
+    evals = [m for m in rows if "eval_loss" in m]
+    assert [m["step"] for m in evals] == [10, 20]
+    assert evals[-1]["eval_loss"] < evals[0]["eval_loss"] < 6.3  # ln(512) = 6.24 at init
+    ckpts = sorted(p.name for p in (tmp_path / "run").glob("ckpt_*.pt"))
+    assert ckpts == ["ckpt_00000015.pt", "ckpt_00000020.pt"]  # keep: 2
+    ck = torch.load(tmp_path / "run" / ckpts[-1], weights_only=True)
+    assert ck["step"] == 20 and ck["config"]["training"]["max_steps"] == 20
+    assert ck["data"] == {"epoch": 0, "offset": 20 * 4} or ck["data"]["epoch"] > 0
+    assert "config (resolved)" in r.stderr and "effective batch" in r.stderr
+
+
+def test_exact_resume_after_sigterm(tmp_path, stdlib_data):
+    ref_dir, cut_dir = tmp_path / "ref", tmp_path / "cut"
+    ref_dir.mkdir(), cut_dir.mkdir()
+    cfg_ref = tiny_config(ref_dir, stdlib_data, **{"checkpoint.interval": 0})
+    cfg_cut = tiny_config(cut_dir, stdlib_data, **{"checkpoint.interval": 0})
+    r = run(["train.py", str(cfg_ref)])
+    assert r.returncode == 0, r.stderr[-3000:]
+    proc = subprocess.Popen([sys.executable, "train.py", str(cfg_cut)], cwd=ROOT, env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_step(cut_dir / "run", proc, 6)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    stopped = max(losses(cut_dir / "run"))
+    assert 6 <= stopped < 20, f"SIGTERM did not stop the run early (stopped at {stopped})"
+    assert (cut_dir / "run" / f"ckpt_{stopped:08d}.pt").exists()
+    assert "SIGTERM received" in err
+    r = run(["train.py", str(cfg_cut)])  # resume: auto
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"resumed from" in r.stderr
+    ref, cut = losses(ref_dir / "run"), losses(cut_dir / "run")
+    assert sorted(cut) == list(range(1, 21))
+    for step in range(1, 21):
+        assert abs(ref[step] - cut[step]) <= 1e-6, (step, ref[step], cut[step])
+
+
+@pytest.mark.skipif(shutil.which("torchrun") is None and not (Path(sys.executable).parent / "torchrun").exists(),
+                    reason="torchrun not installed")
+def test_ddp_two_processes_match_one_process_with_twice_the_batch(tmp_path, stdlib_data):
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir(), two.mkdir()
+    cfg1 = tiny_config(one, stdlib_data, **{"checkpoint.interval": 0})
+    cfg2 = tiny_config(two, stdlib_data, **{"checkpoint.interval": 0})
+    r = run(["train.py", str(cfg1), "training.batch_size=4"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    torchrun = str(Path(sys.executable).parent / "torchrun")
+    r = subprocess.run([torchrun, "--standalone", "--nproc_per_node=2", "train.py", str(cfg2),
+                        "training.batch_size=2"], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    a, b = losses(one / "run"), losses(two / "run")
+    assert sorted(a) == sorted(b) == list(range(1, 21))
+    for step in a:
+        assert abs(a[step] - b[step]) <= 1e-4 * abs(a[step]), (step, a[step], b[step])
+    assert "2 replica(s)" in r.stderr
+
+
+def test_nonfinite_steps_are_skipped_then_the_run_stops(tmp_path, stdlib_data, monkeypatch):
+    """Losses that turn NaN after step 4: updates skipped, last good weights saved, exit 3."""
+    import model as model_mod
+    from training import loop
+    from training.backend import TorchBackend
+    from training.config import load_config
+
+    calls = {"n": 0}
+
+    class Poisoned(model_mod.NashMHC):
+        def forward(self, idx, targets=None):
+            out = super().forward(idx, targets)
+            if self.training and targets is not None:
+                calls["n"] += 1
+                if calls["n"] > 4:
+                    out.loss = out.loss * float("nan")
+            return out
+
+    monkeypatch.setattr(loop, "NashMHC", Poisoned)
+    cfg = load_config(tiny_config(tmp_path, stdlib_data, **{"training.max_nonfinite_steps": 3}),
+                      ["evaluation.interval=0", "checkpoint.interval=0"])
+    code = loop.train(cfg, TorchBackend("cpu"))
+    assert code == 3
+    rows = metrics(tmp_path / "run")
+    assert rows[-1]["nonfinite_skipped"] >= 3
+    ck = torch.load(next((tmp_path / "run").glob("ckpt_*.pt")), weights_only=True)
+    assert all(torch.isfinite(v).all() for v in ck["model"].values() if v.is_floating_point())
+
+
+def test_resume_refuses_a_different_architecture(tmp_path, stdlib_data):
+    cfg = tiny_config(tmp_path, stdlib_data, **{"training.max_steps": 2})
+    assert run(["train.py", str(cfg)]).returncode == 0
+    r = run(["train.py", str(cfg), "model.d_model=128", "training.max_steps=4"])
+    assert r.returncode == 2 and "model.d_model: 64 -> 128" in r.stderr and "Traceback" not in r.stderr
