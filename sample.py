@@ -1,0 +1,74 @@
+"""Print continuations from a checkpoint of either trainer.
+
+    python sample.py runs/demo                      # newest checkpoint in a run directory
+    python sample.py runs/demo/ckpt_00001000.pt --prompt "def " --max-new-tokens 200 --top-k 40
+
+The tokenizer is found through the data directory recorded in the checkpoint's config
+(``--tokenizer`` overrides it).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from model import NashMHC
+from training.checkpoint import CheckpointError, find_resume, load_checkpoint
+from training.config import ConfigError, config_from_dict
+
+
+def load_model(path: Path, device: str) -> tuple[NashMHC, dict]:
+    if path.is_dir():
+        found = find_resume(path, warn=lambda m: print(m, file=sys.stderr))
+        if found is None:
+            raise CheckpointError(f"{path}: no checkpoint (ckpt_*.pt) in this directory")
+        path, ckpt = found
+    else:
+        ckpt = load_checkpoint(path)
+    cfg = config_from_dict(ckpt["config"])
+    model = NashMHC(cfg.model)
+    model.load_state_dict(ckpt["model"])
+    model.to(device).eval()
+    print(f"loaded {path} (step {ckpt['step']}, {model.num_params() / 1e6:.2f}M parameters, "
+          f"trained by {ckpt.get('trainer', '?')})", file=sys.stderr)
+    return model, ckpt["config"]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("checkpoint", type=Path, help="a ckpt_*.pt file or a run directory")
+    ap.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
+    ap.add_argument("--max-new-tokens", type=int, default=200)
+    ap.add_argument("--temperature", type=float, default=0.8)
+    ap.add_argument("--top-k", type=int, default=50)
+    ap.add_argument("--num-samples", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tokenizer", type=Path, help="tokenizer.json (default: from the config's data.dir)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = ap.parse_args(argv)
+    if args.temperature <= 0:
+        ap.error("--temperature must be positive")
+    try:
+        from tokenizers import Tokenizer
+        model, cfg = load_model(args.checkpoint, args.device)
+        tok_path = args.tokenizer or Path(cfg["data"]["dir"]).expanduser() / "tokenizer.json"
+        if not tok_path.is_file():
+            raise FileNotFoundError(f"{tok_path}: tokenizer not found (pass --tokenizer)")
+        tok = Tokenizer.from_file(str(tok_path))
+    except (CheckpointError, ConfigError, FileNotFoundError) as e:
+        print(f"sample.py: error: {e}", file=sys.stderr)
+        return 2
+    torch.manual_seed(args.seed)
+    ids = tok.encode(args.prompt).ids or [0]
+    idx = torch.tensor([ids] * args.num_samples, dtype=torch.long, device=args.device)
+    out = model.generate(idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k)
+    for i, row in enumerate(out.tolist()):
+        print(f"----- sample {i + 1} -----")
+        print(tok.decode(row, skip_special_tokens=False))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
