@@ -9,6 +9,10 @@ Hkv key/value heads, G = H // Hkv queries per key/value head, D head_dim.
 XLA notes: every mask comes from `arange` comparisons, every loop has a static trip count, no
 `.item()` and no Python branch on tensor values; the only branches are on config values and shapes.
 Nothing here imports torch_xla.
+
+Four small autograd.Functions (the Sinkhorn iterations, the normalised projection that gives the
+mHC coefficients, and the stream read and write) spell out their backward: the same maths with
+fewer passes over, and fewer temporaries of, the n-times wider residual. Each is gradchecked.
 """
 from __future__ import annotations
 
@@ -30,6 +34,7 @@ from torch import nn
 
 MHC_RES_OFF_DIAG_BIAS = -8.0            # H_res starts at ~identity: exp(-8) = 3e-4 off the diagonal
 MHC_PRE_BIAS = 2.0                      # H_pre starts at sigmoid(+-2) = 0.88 / 0.12: one favoured stream
+                                        # per sub-layer (all streams are equal at the start anyway)
 MHC_GATE_INIT = 0.01                    # the gates alpha
 
 
@@ -198,8 +203,8 @@ def sinkhorn_knopp(logits: torch.Tensor, iters: int = 20, eps: float = 1e-6) -> 
 class _SinkhornIterations(torch.autograd.Function):
     """``iters`` rounds of row then column normalisation of a positive ``p [n, n, N]`` (rows: dim 1).
 
-    The plain loop's maths with the backward written out, because Sinkhorn is most of mHC's cost
-    and autograd keeps all 2 * iters iterates. For a step ``q = p / s`` with ``s = sum(p) + eps``
+    The plain loop's maths with the backward written out: autograd would keep all 2 * iters
+    iterates and record three times the kernels. For a step ``q = p / s`` with ``s = sum(p) + eps``
     over the normalised dim, the input gradient is ``(g - sum(g * q)) / s``. Only the output and
     the normalisers ``s`` are saved; the backward walks the steps in reverse and undoes each
     division (``p = q * s``) to recover that step's ``q``.
@@ -228,6 +233,31 @@ class _SinkhornIterations(torch.autograd.Function):
         return g, None, None
 
 
+def scale_gram(outs) -> torch.Tensor:
+    """``G [..., L, L]``, ``G_lm = mean_d(o_l o_m)``, from L scale outputs ``[..., D]`` (a list,
+    pair by pair: on CPU that is 4x faster than a batch of tiny [L, D] @ [D, L] products)."""
+    L, D = len(outs), outs[0].shape[-1]
+    g = [[None] * L for _ in range(L)]
+    for l in range(L):
+        for m in range(l, L):
+            g[l][m] = g[m][l] = (outs[l] * outs[m]).sum(dim=-1) / D
+    return torch.stack([torch.stack(row, dim=-1) for row in g], dim=-2)
+
+
+def nash_rounds(gram: torch.Tensor, valid: torch.Tensor, tau, iters: int) -> torch.Tensor:
+    """The best-response rounds of ``nash_equilibrium`` on the scales' Gram matrix ``[..., L, L]``:
+    ``|o_l - c|^2 / D = G_ll - 2 (G w)_l + w^T G w`` for the consensus ``c = sum_m w_m o_m``, so a
+    round costs O(L^2) per token, whatever the head size."""
+    diag = gram.diagonal(dim1=-2, dim2=-1)
+    valid_f = valid.to(gram.dtype)
+    w = valid_f / valid_f.sum(dim=-1, keepdim=True)
+    for _ in range(iters):
+        gw = (gram * w.unsqueeze(-2)).sum(dim=-1)                                   # (G w)_l
+        loss = diag - 2.0 * gw + (w * gw).sum(dim=-1, keepdim=True)
+        w = torch.softmax((-loss / tau).masked_fill(~valid, float("-inf")), dim=-1)
+    return w
+
+
 def nash_equilibrium(outputs: torch.Tensor, valid: torch.Tensor, tau, iters: int) -> torch.Tensor:
     """Weights ``[..., L]`` of the scales after ``iters`` best-response rounds.
 
@@ -237,19 +267,8 @@ def nash_equilibrium(outputs: torch.Tensor, valid: torch.Tensor, tau, iters: int
     round, every scale's loss is its mean squared distance to the consensus ``c = sum_m w_m o_m``
     and the best response is ``softmax(-loss / tau)`` over the valid scales. Squared distances,
     not norms: sqrt has no gradient at 0 (all outputs equal).
-
-    The distances come from the Gram matrix ``G = O O^T / D`` (``[..., L, L]``, one product):
-    ``|o_l - c|^2 / D = G_ll - 2 (G w)_l + w^T G w``, so the rounds cost O(L^2), not O(L D).
     """
-    gram = torch.matmul(outputs, outputs.transpose(-1, -2)) / outputs.shape[-1]   # [..., L, L]
-    diag = gram.diagonal(dim1=-2, dim2=-1)
-    valid_f = valid.to(outputs.dtype)
-    w = valid_f / valid_f.sum(dim=-1, keepdim=True)
-    for _ in range(iters):
-        gw = (gram * w.unsqueeze(-2)).sum(dim=-1)                                   # (G w)_l
-        loss = diag - 2.0 * gw + (w * gw).sum(dim=-1, keepdim=True)
-        w = torch.softmax((-loss / tau).masked_fill(~valid, float("-inf")), dim=-1)
-    return w
+    return nash_rounds(scale_gram(outputs.unbind(dim=-2)), valid, tau, iters)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -406,15 +425,15 @@ class NashAttention(nn.Module):
 
     def aggregate(self, outs, valid):
         """Fuse the scale outputs ``[B, H, T, D]`` (``valid [T, L]``) into one, with stats."""
-        O = torch.stack(outs, dim=-2).float()                     # [B, H, T, L, D]
+        outs32 = [o.float() for o in outs]
         if self.aggregation == "nash":
             tau = self.log_tau.float().exp().view(-1, 1, 1)       # per head
-            w = nash_equilibrium(O, valid, tau, self.iters)       # [B, H, T, L]
+            w = nash_rounds(scale_gram(outs32), valid, tau, self.iters)   # [B, H, T, L]
         elif self.aggregation == "convex":
             w = torch.softmax(self.agg_logits.float().masked_fill(~valid, float("-inf")), dim=-1)
         else:
             w = valid.float() / valid.sum(dim=-1, keepdim=True)
-        o = (w.unsqueeze(-1) * O).sum(dim=-2).to(outs[0].dtype)
+        o = sum(w[..., l, None] * o_l for l, o_l in enumerate(outs32)).to(outs[0].dtype)
         with torch.no_grad():
             entropy = -(w * w.clamp_min(1e-30).log()).sum(dim=-1).mean()
             stats = torch.cat([entropy.view(1), w.reshape(-1, self.scales).mean(dim=0)])
@@ -436,9 +455,31 @@ class FeedForward(nn.Module):
 
 def _stream_logits(h, weight, eps):
     """Per-token coefficient logits from the flattened streams ``h [B, T, n, C]``, in fp32:
-    RMS-normalise the n*C vector (no weight) and project it (projection first, then the scale)."""
-    flat = h.float().flatten(-2)
-    return F.linear(flat, weight.float()) * _rms_inverse(flat, eps)
+    RMS-normalise the n*C vector (no weight) and project it."""
+    return _NormedProjection.apply(h.float().flatten(-2), weight.float(), eps)
+
+
+class _NormedProjection(torch.autograd.Function):
+    """``z = (x @ w^T) * r`` with ``r = 1 / sqrt(mean(x^2) + eps)`` over the last dim of ``x [..., K]``:
+    the projection of the RMS-normalised ``x`` without materialising it. The backward is written
+    out, ``dx = (g r) @ w - x r^3 sum(g * (x @ w^T)) / K``: one product and one fused update of
+    the n-times wide input, where autograd's takes five passes over it."""
+
+    @staticmethod
+    def forward(ctx, x, w, eps: float):
+        r = torch.rsqrt(torch.linalg.vector_norm(x, dim=-1, keepdim=True).square() / x.shape[-1] + eps)
+        proj = F.linear(x, w)
+        ctx.save_for_backward(x, w, r, proj)
+        return proj * r
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w, r, proj = ctx.saved_tensors
+        gr = g * r
+        grad_x = torch.matmul(gr, w)
+        grad_x.addcmul_(x, (g * proj).sum(dim=-1, keepdim=True) * r.pow(3) / -x.shape[-1])
+        grad_w = torch.matmul(gr.reshape(-1, gr.shape[-1]).t(), x.reshape(-1, x.shape[-1]))
+        return grad_x, grad_w, None
 
 
 def permutation_matrices(n: int, device=None) -> torch.Tensor:
@@ -501,14 +542,51 @@ class HyperConnection(nn.Module):
     def read(self, h):
         """The sub-layer input ``H_pre h [B, T, C]`` and the coefficients ``write`` needs."""
         h_pre, h_post, h_res = self.coefficients(h)
-        return (h_pre.to(h.dtype).unsqueeze(-1) * h).sum(dim=-2), (h_post, h_res)
+        return _StreamRead.apply(h_pre.to(h.dtype), h), (h_post, h_res)
 
     def write(self, h, y, coef):
-        """``H_res h + H_post^T y`` for the sub-layer output ``y [B, T, C]``, as one product
-        ``[H_res | H_post^T] @ [h; y]`` per token (fewer passes over the n-times wider residual)."""
+        """``H_res h + H_post^T y`` for the sub-layer output ``y [B, T, C]``, in the residual's
+        dtype even under autocast (a bf16 product here would round the residual every sub-layer)."""
         h_post, h_res = coef
-        mix = torch.cat([h_res, h_post.unsqueeze(-1)], dim=-1).to(h.dtype)        # [B, T, n, n+1]
-        return torch.matmul(mix, torch.cat([h, y.to(h.dtype).unsqueeze(-2)], dim=-2))
+        with torch.autocast(device_type=h.device.type, enabled=False):
+            return _StreamWrite.apply(h, y.to(h.dtype), h_res.to(h.dtype), h_post.to(h.dtype))
+
+
+# The two stream ops below spell out their backward and reduce with (batched) products instead of
+# broadcast-multiply-and-sum: on CPU most of mHC's time went to allocating and faulting in the
+# [..., n, C] temporaries that autograd's versions create.
+
+class _StreamRead(torch.autograd.Function):
+    """``x = sum_i w_i h_i`` per token (``w [..., n]``, ``h [..., n, C]``)."""
+
+    @staticmethod
+    def forward(ctx, w, h):
+        ctx.save_for_backward(w, h)
+        return torch.matmul(w.unsqueeze(-2), h).squeeze(-2)
+
+    @staticmethod
+    def backward(ctx, g):
+        w, h = ctx.saved_tensors
+        return torch.matmul(h, g.unsqueeze(-1)).squeeze(-1), w.unsqueeze(-1) * g.unsqueeze(-2)
+
+
+class _StreamWrite(torch.autograd.Function):
+    """``out = res @ h + post^T y`` per token (``h [..., n, C]``, ``y [..., C]``, ``res [..., n, n]``,
+    ``post [..., n]``)."""
+
+    @staticmethod
+    def forward(ctx, h, y, res, post):
+        ctx.save_for_backward(h, y, res, post)
+        return torch.matmul(res, h).addcmul_(post.unsqueeze(-1), y.unsqueeze(-2))
+
+    @staticmethod
+    def backward(ctx, g):
+        h, y, res, post = ctx.saved_tensors
+        grad_h = torch.matmul(res.transpose(-1, -2), g)
+        grad_y = torch.matmul(post.unsqueeze(-2), g).squeeze(-2)
+        grad_res = torch.matmul(g, h.transpose(-1, -2))
+        grad_post = torch.matmul(g, y.unsqueeze(-1)).squeeze(-1)
+        return grad_h, grad_y, grad_res, grad_post
 
 
 class StreamCollapse(nn.Module):
@@ -531,7 +609,7 @@ class StreamCollapse(nn.Module):
         with torch.autocast(device_type=h.device.type, enabled=False):
             w = torch.sigmoid(self.alpha.float() * _stream_logits(h, self.phi.weight, self.eps)
                               + self.bias.float())
-        return (w.to(h.dtype).unsqueeze(-1) * h).sum(dim=-2)
+        return _StreamRead.apply(w.to(h.dtype), h)
 
 
 class Block(nn.Module):
@@ -559,11 +637,11 @@ class Block(nn.Module):
         x, coef = self.hc_attn.read(h)
         a, stats = self.attn(self.attn_norm(x), cos, sin)
         h = self.hc_attn.write(h, self.drop(a), coef)
-        res_diag = coef[1].diagonal(dim1=-2, dim2=-1).mean()
+        res_diag = coef[1].detach().diagonal(dim1=-2, dim2=-1).mean()
         x, coef = self.hc_ffn.read(h)
         h = self.hc_ffn.write(h, self.drop(self.ffn(self.ffn_norm(x))), coef)
-        res_diag = (res_diag + coef[1].diagonal(dim1=-2, dim2=-1).mean()) / 2
-        return h, torch.cat([stats, res_diag.detach().view(1)])
+        res_diag = (res_diag + coef[1].detach().diagonal(dim1=-2, dim2=-1).mean()) / 2
+        return h, torch.cat([stats, res_diag.view(1)])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -809,11 +887,13 @@ def main(argv=None) -> int:
     parser.add_argument("--seq-len", type=int, default=None, help="sequence length for FLOPs "
                                                                   "(default: max_seq_len)")
     args = parser.parse_args(argv)
+    import yaml
+
     try:
         cfg = load_model_config(args.config)
         if args.seq_len is not None and not 1 <= args.seq_len <= cfg.max_seq_len:
             raise ValueError(f"--seq-len={args.seq_len} must be in [1, max_seq_len={cfg.max_seq_len}]")
-    except Exception as e:  # OSError, yaml.YAMLError, ValueError: one line, no traceback
+    except (OSError, ValueError, yaml.YAMLError) as e:  # one line, no traceback
         msg = " ".join(str(e).split())
         print(f"error: {args.config}: {msg}" if args.config not in msg else f"error: {msg}", file=sys.stderr)
         return 2

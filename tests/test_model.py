@@ -1,5 +1,4 @@
 """model.py: the invariants of DESIGN.md section 1.4, the config, accounting and the CLI."""
-import copy
 import math
 import subprocess
 import sys
@@ -153,6 +152,28 @@ def test_sinkhorn_backward_matches_autograd_of_the_plain_loop():
     (pb * w).sum().backward()
     assert torch.allclose(za.grad, zb.grad, atol=1e-10)
     assert torch.autograd.gradcheck(lambda z: ours(z, 5), (z.clone().requires_grad_(),))
+
+
+def test_stream_ops_match_their_definitions_and_gradcheck():
+    torch.manual_seed(0)
+    f64 = dict(dtype=torch.float64, requires_grad=True)
+    h, y = torch.randn(2, 3, 4, 5, **f64), torch.randn(2, 3, 5, **f64)
+    res, w = torch.rand(2, 3, 4, 4, **f64), torch.rand(2, 3, 4, **f64)
+    x, phi = torch.randn(2, 3, 12, **f64), torch.randn(7, 12, **f64)
+    assert torch.allclose(M._StreamRead.apply(w, h), (w.unsqueeze(-1) * h).sum(-2))
+    assert torch.allclose(M._StreamWrite.apply(h, y, res, w), res @ h + w.unsqueeze(-1) * y.unsqueeze(-2))
+    normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
+    assert torch.allclose(M._NormedProjection.apply(x, phi, 1e-5), normed @ phi.T)
+    assert torch.autograd.gradcheck(M._StreamRead.apply, (w, h))
+    assert torch.autograd.gradcheck(M._StreamWrite.apply, (h, y, res, w))
+    assert torch.autograd.gradcheck(lambda x, phi: M._NormedProjection.apply(x, phi, 1e-5), (x, phi))
+
+
+def test_the_residual_streams_stay_fp32_under_autocast():
+    m = build(tiny())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        h, _ = m.blocks[0](torch.randn(2, 16, 4, 32), m.rope_cos[:16], m.rope_sin[:16])
+    assert h.dtype == torch.float32
 
 
 def test_mhc_starts_at_identity_and_coefficients_are_fp32_under_autocast():

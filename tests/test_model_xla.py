@@ -72,7 +72,8 @@ print("REPORT " + json.dumps(report))
 def report():
     pytest.importorskip("torch_xla")
     # LLVM optimisation level 0: compiling takes seconds instead of a minute; numbers are the same
-    flags = os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+    flags = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0",
+                      "--xla_llvm_disable_expensive_passes=true"])
     env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "1", "PYTHONPATH": str(ROOT),
            "TF_CPP_MIN_LOG_LEVEL": "3", "OMP_NUM_THREADS": "1", "XLA_FLAGS": flags.strip()}
     r = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, cwd=ROOT, env=env,
