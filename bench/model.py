@@ -12,16 +12,19 @@ Variants (same width and depth; max_seq_len = --seq):
 
 Time: all variants live in one process and take turns, one step each per round, so a change in
 the machine's load hits them alike; the median over --repeats rounds after --warmup rounds, as
-wall time and as this process's CPU time (steadier on a shared machine). Memory: each variant
-again in a fresh process that runs one warm-up step, resets the kernel's resident-set high-water
-mark (/proc/self/clear_refs) and runs one more step: "peak RSS" is the process's high-water mark
-during that step (it includes the ~0.5 GiB of the torch import and the model), "step RSS" how
-far the step raised it above the resident set just before it: activations, gradients and
-allocator slack, the memory a step costs.
+wall time and as this process's CPU time (steadier on a shared machine). With glibc's default
+malloc, freed blocks of a few MiB go back to the kernel and are faulted in again on the next
+allocation, which taxes mHC's n-times wider tensors most; --tuned-malloc keeps them (as jemalloc
+or tcmalloc would). Memory: each variant again in a fresh process that runs one warm-up step,
+resets the kernel's resident-set high-water mark (/proc/self/clear_refs) and runs one more step:
+"peak RSS" is the process's high-water mark during that step (it includes the ~0.5 GiB of the
+torch import and the model), "step RSS" how far the step raised it above the resident set just
+before it: activations, gradients and allocator slack, the memory a step costs.
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import resource
@@ -42,6 +45,18 @@ VARIANTS = {
     "mhc-only": dict(nash_scales=1, nash_window=0),
     "nash-only": dict(mhc_streams=1),
 }
+
+
+def tune_glibc_malloc() -> bool:
+    """Keep freed memory in glibc's heap (fixed 32 MiB mmap threshold, 1 GiB trim threshold)
+    instead of returning it to the kernel and faulting it in again on the next allocation; the
+    effect of jemalloc or tcmalloc, which PyTorch's CPU tuning guide recommends."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    return bool(libc.mallopt(m_mmap_threshold, 32 << 20)) and bool(libc.mallopt(m_trim_threshold, 1 << 30))
 
 
 def make_config(args, variant: str):
@@ -173,6 +188,8 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, from: " + ", ".join(VARIANTS))
     p.add_argument("--no-memory", action="store_true", help="skip the per-variant memory processes")
+    p.add_argument("--tuned-malloc", action="store_true",
+                   help="time with glibc malloc keeping freed memory (see tune_glibc_malloc)")
     p.add_argument("--profile", action="store_true", help="also print torch.profiler's top ops for nash-mhc")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument("--memory-worker", help=argparse.SUPPRESS)
@@ -198,6 +215,9 @@ def main(argv=None) -> int:
         memory_worker(args)
         return 0
 
+    if args.tuned_malloc and not tune_glibc_malloc():
+        print("error: --tuned-malloc: glibc's mallopt is not available here", file=sys.stderr)
+        return 2
     results = time_variants(args)
     if not args.no_memory:
         for v in args.variants:
@@ -206,7 +226,7 @@ def main(argv=None) -> int:
     print(f"Nash-MHC forward+backward on CPU: batch {args.batch} x seq {args.seq}, d_model {args.d_model}, "
           f"{args.n_layers} layers, {args.n_heads} heads ({args.n_kv_heads} kv), vocab {args.vocab}, "
           f"{args.threads} thread(s); median of {args.repeats} interleaved rounds after {args.warmup} warm-up; "
-          f"load average {os.getloadavg()[0]:.1f}")
+          f"{'tuned' if args.tuned_malloc else 'default'} glibc malloc; load average {os.getloadavg()[0]:.1f}")
     header = f"{'variant':<16}{'params':>10}{'step wall':>12}{'step CPU':>11}{'x baseline':>12}"
     if not args.no_memory:
         header += f"{'peak RSS':>12}{'step RSS':>11}"
