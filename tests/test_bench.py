@@ -1,0 +1,194 @@
+"""bench/run.py: the arithmetic behind its figures (interpolation, the training clock, the
+crossover length), the GPU step timer run on the CPU, and the command itself in --quick mode."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bench import run as bench
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+finite = st.floats(min_value=-1e6, max_value=1e6, allow_nan=False)
+
+
+@st.composite
+def curves(draw):
+    """Strictly increasing xs with ys of the same length."""
+    gaps = draw(st.lists(st.floats(min_value=1e-3, max_value=1e3), min_size=1, max_size=12))
+    x0 = draw(st.floats(min_value=0, max_value=1e3))
+    xs = [x0]
+    for g in gaps:
+        xs.append(xs[-1] + g)
+    ys = draw(st.lists(finite, min_size=len(xs), max_size=len(xs)))
+    return xs, ys
+
+
+@given(curves(), st.data())
+def test_value_at_reads_between_neighbours(curve, data):
+    xs, ys = curve
+    for x, y in zip(xs, ys):  # exact at the measured points
+        v, ended = bench.value_at(xs, ys, x)
+        assert v == pytest.approx(y, rel=1e-9, abs=1e-6) and not ended
+    i = data.draw(st.integers(min_value=1, max_value=len(xs) - 1))
+    x = data.draw(st.floats(min_value=xs[i - 1], max_value=xs[i]))
+    v, ended = bench.value_at(xs, ys, x)
+    lo, hi = sorted((ys[i - 1], ys[i]))
+    assert lo - 1e-6 <= v <= hi + 1e-6 and not ended
+
+
+@given(curves(), st.floats(min_value=1e-3, max_value=1e3))
+def test_value_at_outside_the_curve(curve, d):
+    xs, ys = curve
+    assert bench.value_at(xs, ys, xs[0] - d) == (None, False)      # nothing measured yet
+    assert bench.value_at(xs, ys, xs[-1] + d) == (ys[-1], True)     # the run had ended
+
+
+def records(step_times, eval_every, interval):
+    """metrics.jsonl lines every ``interval`` steps; every ``eval_every``-th line ends with an evaluation."""
+    out = []
+    for i, t in enumerate(step_times, 1):
+        r = {"step": i * interval, "step_time": t, "loss": 1.0, "tokens_seen": i * interval * 10}
+        if i % eval_every == 0:
+            r["eval_loss"] = 2.0
+        out.append(r)
+    return out
+
+
+@settings(max_examples=50)
+@given(st.lists(st.floats(min_value=1e-3, max_value=10), min_size=3, max_size=30),
+       st.integers(min_value=2, max_value=5), st.integers(min_value=1, max_value=10))
+def test_training_clock_leaves_evaluations_out(times, eval_every, interval):
+    recs = records(times, eval_every, interval)
+    clock = bench.training_clock(recs)
+    clean = [r["step_time"] for r in recs[1:] if "eval_loss" not in r] or [recs[0]["step_time"]]
+    t = 0.0
+    for r, c in zip(recs, clock):
+        assert c["step"] == r["step"] and c["train_s"] >= t  # cumulative, never decreasing
+        charged = (c["train_s"] - t) / interval
+        if "eval_loss" in r:  # an interval with an evaluation costs the median clean step
+            assert charged == pytest.approx(statistics.median(clean))
+        else:
+            assert charged == pytest.approx(r["step_time"])
+        t = c["train_s"]
+
+
+def test_training_clock_without_evaluations_is_the_loops_clock():
+    recs = records([1.5, 1.0, 2.0, 1.0], eval_every=99, interval=5)
+    assert [c["train_s"] for c in bench.training_clock(recs)] == pytest.approx([7.5, 12.5, 22.5, 27.5])
+
+
+def test_training_clock_needs_an_interval_without_evaluation():
+    with pytest.raises(bench.BenchError, match="log more often"):
+        bench.training_clock(records([1.0, 1.0], eval_every=1, interval=5))
+
+
+@pytest.mark.parametrize("ratios, length", [
+    ([1.5, 1.4, 0.9, 0.6], 2048),
+    ([1.2, 0.9, 1.1, 0.8], 4096),       # cheaper at 1024 but not at 2048: not "from 1024 on"
+    ([1.1, 1.2, 1.05, 1.01], None),
+    ([0.9, 0.8, 0.7, 0.6], 512),
+])
+def test_crossover(ratios, length):
+    lengths = [512, 1024, 2048, 4096]
+    c = bench.crossover(lengths, ratios)
+    assert c["length"] == length
+    if length is None or length == lengths[0]:
+        assert c["estimate"] is None
+    else:
+        i = lengths.index(length)
+        assert lengths[i - 1] <= c["estimate"] <= length
+
+
+def test_crossover_estimate_is_exact_for_a_log_linear_ratio():
+    lengths = [512, 1024, 2048, 4096]
+    ratios = [1 + 0.25 * (math.log2(1500) - math.log2(t)) for t in lengths]
+    assert bench.crossover(lengths, ratios)["estimate"] == pytest.approx(1500)
+
+
+def test_time_train_steps_on_cpu():
+    """The GPU speed path's timer, on the CPU without compile: every model times, MFU needs a peak."""
+    from model import ModelConfig, NashMHC
+
+    cfgs = {v: ModelConfig(vocab_size=256, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, max_seq_len=64,
+                           **bench.MODEL_VARIANTS[v]) for v in ("baseline", "nash-mhc")}
+    res = bench.time_train_steps(cfgs, batch=2, seq=64, device="cpu", precision="fp32", compile=False,
+                                 warmup=1, repeats=2)
+    assert res["device"] == "cpu" and res["compile"] is False and res["peak_flops"] is None
+    for v, cfg in cfgs.items():
+        r = res["models"][v]
+        assert r["step_s"] > 0 and r["tokens_per_sec"] == pytest.approx(2 * 64 / r["step_s"])
+        assert r["flops_per_token"] == NashMHC(cfg).flops_per_token(64) and r["mfu"] is None
+
+
+def run_bench(*args, timeout=600):
+    return subprocess.run([sys.executable, str(ROOT / "bench" / "run.py"), *map(str, args)], cwd=ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--only", "learning,bogus"], "unknown section bogus"),
+    (["--only", "data", "--data", "/nonexistent"], "meta.json not found"),
+    (["--threads", "0"], "must be at least 1"),
+])
+def test_bad_arguments_are_one_line_errors(tmp_path, args, message):
+    r = run_bench(*args, "--out", tmp_path)
+    assert r.returncode == 2 and message in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+    assert not (tmp_path / "latest.json").exists()
+
+
+@pytest.mark.slow
+def test_quick_attention_keeps_other_sections(tmp_path):
+    """--only re-measures one section and keeps the others from latest.json; the report renders both."""
+    data_section = {"loader_tokens_per_sec": 2e6, "loader_all": [2e6], "first_batch_s": 0.05,
+                    "model_tokens_per_sec": 4e3, "ratio": 500.0, "target": 10.0, "batch": 16, "seq_len": 256,
+                    "num_workers": 1, "batches": 40, "repeats": 1,
+                    "model_run": {"steps": 10, "precision": "fp32", "dir": "runs/data-consumption"},
+                    "_meta": {"date": "earlier", "wall_s": 1.0, "load_start": 1.0, "load_end": 1.0, "quick": True}}
+    (tmp_path / "latest.json").write_text(json.dumps({"sections": {"data": data_section}}))
+    r = run_bench("--quick", "--only", "attention", "--out", tmp_path)
+    assert r.returncode == 0, r.stderr
+    report = json.loads((tmp_path / "latest.json").read_text())
+    assert set(report["sections"]) == {"attention", "data"} and report["sections"]["data"] == data_section
+    att = report["sections"]["attention"]
+    assert [row["T"] for row in att["rows"]] == [512, 1024, 2048, 4096]
+    for row in att["rows"]:
+        assert row["full_s"] > 0 and row["nash_s"] > 0 and row["ratio"] == pytest.approx(row["nash_s"] / row["full_s"])
+    md = (tmp_path / "latest.md").read_text()
+    assert "## 3. Attention cost" in md and "## 4. Data" in md and "500x" in md and "Machine:" in md
+    assert not list(tmp_path.glob("*.tmp"))  # atomic writes leave no temporary files
+
+
+@pytest.mark.slow
+def test_quick_learning_on_the_test_corpus(tmp_path, stdlib_data):
+    """Four train.py runs: every variant gets a curve, T is the fastest variant's time, the
+    baseline's paired differences are zero, and the PNG is written."""
+    r = run_bench("--quick", "--only", "learning", "--data", stdlib_data, "--out", tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads((tmp_path / "latest.json").read_text())["sections"]["learning"]
+    assert list(res["variants"]) == list(bench.VARIANTS)
+    times = {v: x["train_s"] for v, x in res["variants"].items()}
+    assert res["T_s"] == min(times.values()) and res["T_variant"] == min(times, key=times.get)
+    for v, x in res["variants"].items():
+        (run,) = x["runs"]
+        assert run["tokens"] == res["tokens"] == 8 * 16 * 256
+        assert [e["step"] for e in run["eval"]] == [4, 8]
+        assert x["final_val_loss"]["mean"] == run["eval"][-1]["val_loss"] and math.isfinite(run["final_val_loss"])
+        assert run["val_loss_at_T"] is not None
+    base = res["variants"]["baseline"]
+    assert base["delta_final"]["mean"] == 0 and base["delta_at_T"]["mean"] == 0
+    assert base["mhc_streams"] == 1 and base["nash_scales"] == 1
+    assert res["variants"]["nash-mhc"]["mhc_streams"] == 4 and res["variants"]["nash-mhc"]["nash_scales"] == 3
+    png = tmp_path / "loss_curves.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
