@@ -567,7 +567,11 @@ class _StreamRead(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         w, h = ctx.saved_tensors
-        return torch.matmul(h, g.unsqueeze(-1)).squeeze(-1), w.unsqueeze(-1) * g.unsqueeze(-2)
+        # Under autocast the forward product ran in bf16, so g is bf16 while w and h are not;
+        # backward runs outside autocast: compute in h's dtype, return each input's dtype.
+        g = g.to(h.dtype)
+        grad_w = torch.matmul(h, g.unsqueeze(-1)).squeeze(-1).to(w.dtype)
+        return grad_w, w.to(h.dtype).unsqueeze(-1) * g.unsqueeze(-2)
 
 
 class _StreamWrite(torch.autograd.Function):

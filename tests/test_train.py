@@ -30,6 +30,14 @@ def test_trains_logs_and_checkpoints(tmp_path, stdlib_data):
     assert ck["step"] == 20 and ck["config"]["training"]["max_steps"] == 20
     assert ck["data"] == {"epoch": 0, "offset": 20 * 4} or ck["data"]["epoch"] > 0
     assert "config (resolved)" in r.stderr and "effective batch" in r.stderr
+    # sample.py finds the newest checkpoint and the tokenizer through the stored config
+    r = run(["sample.py", str(tmp_path / "run"), "--prompt", "def ", "--max-new-tokens", "20",
+             "--num-samples", "2"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.count("----- sample") == 2 and r.stdout.count("def ") >= 2
+    assert "ckpt_00000020.pt" in r.stderr
+    r = run(["sample.py", str(tmp_path / "nothing-here")])
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "nothing-here" in r.stderr
 
 
 def test_exact_resume_after_sigterm(tmp_path, stdlib_data):

@@ -137,6 +137,14 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
         group.update(mine)
 
 
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
 def _to_cpu(obj):
     if isinstance(obj, torch.Tensor):
         return obj.detach().to("cpu", copy=True)
@@ -203,6 +211,10 @@ class TorchBackend(Backend):
         if self.device.type == "mps":
             warnings.warn("bf16 autocast is not reliable on MPS: training in fp32")
             return None
+        flags = _cpu_flags() if self.device.type == "cpu" else ""
+        if self.device.type == "cpu" and "avx512_bf16" not in flags and "amx_bf16" not in flags:
+            warnings.warn("this CPU has no native bf16 (AVX512-BF16/AMX): bf16 autocast is emulated "
+                          "and many times slower than fp32; set training.precision=fp32")
         return torch.bfloat16
 
     def prepare_model(self, model: nn.Module, cfg) -> nn.Module:

@@ -189,7 +189,7 @@ def train(cfg: Config, backend: Backend) -> int:
     backend.sync()  # materialise the counters and the optimiser state: step 1 = every later step
 
     host = {"stop_nonfinite": False, "last_log_time": time.time(), "last_log_step": state.step,
-            "last": {}}
+            "last": {}, "eval_seconds": 0.0}
 
     def save(reason: str) -> None:
         pos = stream.advance(state.epoch, state.offset, state.batches_done)
@@ -213,6 +213,7 @@ def train(cfg: Config, backend: Backend) -> int:
 
     def evaluate() -> torch.Tensor:
         """Mean validation loss over the same ``evaluation.steps`` batches every time."""
+        t0 = time.time()
         raw_model.eval()
         batch_losses = []
         with torch.no_grad():
@@ -222,13 +223,15 @@ def train(cfg: Config, backend: Backend) -> int:
                     batch_losses.append(raw_model(x, y).loss.float())
                 backend.sync()  # one forward graph, the same for every batch
         raw_model.train()
+        host["eval_seconds"] += time.time() - t0
         return backend.mean_across(torch.stack(batch_losses).mean())
 
     def on_log(values: dict) -> None:
         """Runs on the host once a log step's tensors are computed (XLA: in a step closure)."""
         step = int(values.pop("_step"))
         now = time.time()
-        dt = max(now - host["last_log_time"], 1e-9)
+        dt = max(now - host["last_log_time"] - host["eval_seconds"], 1e-9)  # training time only
+        host["eval_seconds"] = 0.0
         steps = step - host["last_log_step"]
         host["last_log_time"], host["last_log_step"] = now, step
         nonlocal skipped_logged

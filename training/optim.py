@@ -89,7 +89,7 @@ class AdamW(torch.optim.Optimizer):
                                       amsgrad=False, maximize=False, foreach=None,
                                       capturable=False, differentiable=False, fused=None))
 
-    def _state(self, p):
+    def _state(self, p, group):
         st = self.state[p]
         if not st:
             st["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
@@ -103,21 +103,22 @@ class AdamW(torch.optim.Optimizer):
         """Create every parameter's state now (SPMD shards it like the parameter)."""
         for group in self.param_groups:
             for p in group["params"]:
-                self._state(p)
+                self._state(p, group)
+
+    def _adamw_step(self, group, ps, found_inf) -> None:
+        states = [self._state(p, group) for p in ps]
+        beta1, beta2 = group["betas"]
+        _adamw_update(ps, [p.grad for p in ps], [s["exp_avg"] for s in states],
+                      [s["exp_avg_sq"] for s in states], [s["step"] for s in states],
+                      lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                      weight_decay=group["weight_decay"], found_inf=found_inf)
 
     @torch.no_grad()
     def step(self, closure=None):
         for group in self.param_groups:
             ps = [p for p in group["params"] if p.grad is not None]
-            if not ps:
-                continue
-            states = [self._state(p) for p in ps]
-            beta1, beta2 = group["betas"]
-            _adamw_update(ps, [p.grad for p in ps], [s["exp_avg"] for s in states],
-                          [s["exp_avg_sq"] for s in states], [s["step"] for s in states],
-                          lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                          weight_decay=group["weight_decay"],
-                          found_inf=_found_inf(self, ps[0].device))
+            if ps:
+                self._adamw_step(group, ps, _found_inf(self, ps[0].device))
 
 
 def newton_schulz(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
@@ -134,7 +135,7 @@ def newton_schulz(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
     return x.T if transposed else x
 
 
-class Muon(torch.optim.Optimizer):
+class Muon(AdamW):
     """Muon on groups with ``use_muon=True`` (2-D matrices), AdamW on the others.
 
     Muon: Nesterov momentum, orthogonalised by Newton-Schulz, scaled by sqrt(max(1, rows/cols)),
@@ -145,25 +146,15 @@ class Muon(torch.optim.Optimizer):
                  weight_decay=0.0, ns_steps=5):
         defaults = dict(lr=lr, momentum=momentum, betas=betas, eps=eps, weight_decay=weight_decay,
                         ns_steps=ns_steps, use_muon=False)
-        super().__init__(param_groups, defaults)
+        torch.optim.Optimizer.__init__(self, param_groups, defaults)
 
     def _state(self, p, group):
+        if not group["use_muon"]:
+            return super()._state(p, group)
         st = self.state[p]
         if not st:
-            if group["use_muon"]:
-                st["momentum_buffer"] = torch.zeros_like(p)
-            else:
-                st["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-                st["exp_avg"] = torch.zeros_like(p)
-                st["exp_avg_sq"] = torch.zeros_like(p)
-        elif "step" in st and st["step"].device != p.device:
-            st["step"] = st["step"].to(p.device, torch.float32)
+            st["momentum_buffer"] = torch.zeros_like(p)
         return st
-
-    def init_state(self) -> None:
-        for group in self.param_groups:
-            for p in group["params"]:
-                self._state(p, group)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -173,12 +164,7 @@ class Muon(torch.optim.Optimizer):
                 continue
             found_inf = _found_inf(self, ps[0].device)
             if not group["use_muon"]:
-                states = [self._state(p, group) for p in ps]
-                beta1, beta2 = group["betas"]
-                _adamw_update(ps, [p.grad for p in ps], [s["exp_avg"] for s in states],
-                              [s["exp_avg_sq"] for s in states], [s["step"] for s in states],
-                              lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                              weight_decay=group["weight_decay"], found_inf=found_inf)
+                self._adamw_step(group, ps, found_inf)
                 continue
             keep = 1.0 - found_inf
             skip = found_inf > 0

@@ -117,11 +117,8 @@ class XLABackend(Backend):
         if cfg.model.activation_checkpointing:
             import torch_xla.utils.checkpoint as xcp
             model.checkpoint_fn = xcp.checkpoint
-        model = model.to(self.device)
-        if cfg.model.tie_embeddings:
-            # Module.to() cannot move a parameter to XLA in place: it creates one new Parameter per
-            # module, which silently unties the embedding and the LM head. Tie them again.
-            model.lm_head.weight = model.tok_emb.weight
+        model = model.to(self.device)  # NashMHC._apply re-ties the embedding and LM head on XLA
+        assert not cfg.model.tie_embeddings or model.lm_head.weight is model.tok_emb.weight
         if self.spmd:
             for name, p in model.named_parameters():
                 spec = param_partition_spec(name, p)
