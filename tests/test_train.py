@@ -121,3 +121,31 @@ def test_resume_refuses_a_different_architecture(tmp_path, stdlib_data):
     assert run(["train.py", str(cfg)]).returncode == 0
     r = run(["train.py", str(cfg), "model.d_model=128", "training.max_steps=4"])
     assert r.returncode == 2 and "model.d_model: 64 -> 128" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_gradient_accumulation_matches_the_larger_batch(tmp_path, stdlib_data):
+    """batch b x 2 micro-steps = batch 2b in one step: same data, same mean loss, same update."""
+    one, acc = tmp_path / "one", tmp_path / "acc"
+    one.mkdir(), acc.mkdir()
+    over = {"checkpoint.interval": 0, "evaluation.interval": 0, "training.max_steps": 8}
+    r = run(["train.py", str(tiny_config(one, stdlib_data, **over)), "training.batch_size=4"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = run(["train.py", str(tiny_config(acc, stdlib_data, **over)), "training.batch_size=2",
+             "training.gradient_accumulation_steps=2"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    a, b = losses(one / "run"), losses(acc / "run")
+    assert sorted(a) == sorted(b) == list(range(1, 9))
+    for s in a:
+        assert abs(a[s] - b[s]) <= 1e-5 * abs(a[s]), (s, a[s], b[s])
+
+
+def test_tensorboard_and_wandb_offline(tmp_path, stdlib_data):
+    pytest.importorskip("wandb")
+    cfg = tiny_config(tmp_path, stdlib_data, **{"training.max_steps": 3, "checkpoint.interval": 0,
+                                                "evaluation.interval": 0})
+    env = {**ENV, "WANDB_DIR": str(tmp_path), "WANDB_MODE": "offline"}
+    r = run(["train.py", str(cfg), "logging.tensorboard=true", "logging.wandb.enabled=true",
+             "logging.wandb.mode=offline"], env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert list((tmp_path / "run" / "tb").glob("events.out.tfevents.*"))
+    assert list((tmp_path / "run").rglob("offline-run-*"))
