@@ -18,11 +18,10 @@ attention), nash-only (1 stream, 3 scales, window 64).
               data/stdlib, runs interleaved (seed by seed, variant by variant). Validation loss at
               equal tokens (end of the budget) and at equal wall-clock: at T, the median training
               time of the fastest variant, each run's validation curve read at training time T
-              (linear interpolation between evaluations). Training time is the loop's clock
-              (metrics.jsonl's step_time) with the evaluation passes taken out: an interval that
-              ends with an evaluation is charged the run's median step time per step. Mean and
-              standard deviation over seeds; differences to the baseline are paired by seed (same
-              data order). loss_curves.png is drawn from the runs' metrics.jsonl.
+              (linear interpolation between evaluations). Training time is the loop's own clock:
+              metrics.jsonl's step_time, which leaves the evaluation passes out. Mean and standard
+              deviation over seeds; differences to the baseline are paired by seed (same data
+              order). loss_curves.png is drawn from the runs' metrics.jsonl.
 2. speed      forward+backward step time of each variant at seq 512 (batch 4) and 2048 (batch 1)
               with bench/model.py's interleaved timer; tokens/s and the ratio to the baseline.
               With a CUDA GPU also a full training step (bf16 autocast, torch.compile, fused
@@ -37,6 +36,9 @@ attention), nash-only (1 stream, 3 scales, window 64).
 5. xla        a short train_xla.py demo run on PJRT CPU: compilations, CPU fallbacks and
               device-to-host transfers per 10 steps after warm-up, from metrics.jsonl's xla_*
               counters at two step counts, and the run's totals (xla_metrics.json).
+
+configs/demo.yaml is read once, at the start: every run of one invocation uses that snapshot
+(OUT/demo_config.yaml), so an edit of the config during a run cannot split a comparison.
 
 Timings are medians over interleaved repeats (variants take turns, so a change in the machine's
 load hits them alike); CPU work runs with --threads intra-op threads (default 1: steadier on a
@@ -86,7 +88,9 @@ LEARNING_PRECISION = "fp32"
 # Budgets: the full benchmark, and --quick (a smoke test of every code path).
 BUDGETS = {
     "full": {
-        "learning": dict(seeds=3, max_steps=120, warmup_steps=20, eval_interval=20, eval_steps=10, log_interval=5),
+        # 409,600 tokens: the 12 runs take ~22 min on 2 shared cores
+        "learning": dict(seeds=3, tokens=409_600, evals=5, logs_per_eval=4, warmup_fraction=1 / 6,
+                         eval_tokens=40_960),
         "speed": dict(shapes=[(512, 4), (2048, 1)], warmup=2, repeats=7,
                       gpu_seqs=[512, 1024, 2048], gpu_tokens=32768, gpu_warmup=3, gpu_repeats=10),
         "attention": dict(lengths=[512, 1024, 2048, 4096], d_model=256, n_heads=4, n_kv_heads=2, window=512,
@@ -95,7 +99,8 @@ BUDGETS = {
         "xla": dict(max_steps=30, log_interval=5, overrides=[]),
     },
     "quick": {
-        "learning": dict(seeds=1, max_steps=8, warmup_steps=2, eval_interval=4, eval_steps=2, log_interval=2),
+        "learning": dict(seeds=1, tokens=8 * 16 * 256, evals=2, logs_per_eval=2, warmup_fraction=1 / 4,
+                         eval_tokens=8192),
         "speed": dict(shapes=[(512, 4), (2048, 1)], warmup=1, repeats=2,
                       gpu_seqs=[1024], gpu_tokens=16384, gpu_warmup=2, gpu_repeats=3),
         "attention": dict(lengths=[512, 1024, 2048, 4096], d_model=256, n_heads=4, n_kv_heads=2, window=512,
@@ -138,26 +143,16 @@ def value_at(xs: list[float], ys: list[float], x: float) -> tuple[float | None, 
 
 
 def training_clock(records: list[dict]) -> list[dict]:
-    """Each metrics.jsonl line with ``train_s``: the training seconds up to that step, evaluation
-    passes left out.
-
-    The loop logs ``step_time``: the wall time since the previous line divided by the steps in
-    between, an evaluation included when the line ends with one (it has ``eval_loss``). Such an
-    interval is charged the run's median step time of the intervals without an evaluation (not
-    counting the first, which pays the warm-up) for each of its steps.
-    """
+    """Each metrics.jsonl line with ``train_s``: the training seconds from the loop's start to
+    that step. The loop logs ``step_time``, the wall time since the previous line per step with
+    the evaluation passes left out (training/loop.py), so this is its clock without evaluations."""
     if not records:
         raise BenchError("metrics.jsonl is empty")
-    clean = [r["step_time"] for r in records[1:] if "eval_loss" not in r and "step_time" in r]
-    if not clean:
-        clean = [r["step_time"] for r in records if "eval_loss" not in r and "step_time" in r]
-    if not clean:
-        raise BenchError("metrics.jsonl has no interval without an evaluation: log more often than you evaluate")
-    step_time = statistics.median(clean)
     out, t, prev = [], 0.0, 0
     for r in records:
-        steps = r["step"] - prev
-        t += steps * (step_time if "eval_loss" in r else r["step_time"])
+        if "step_time" not in r:
+            raise BenchError(f"metrics.jsonl: step {r['step']} has no step_time")
+        t += (r["step"] - prev) * r["step_time"]
         prev = r["step"]
         out.append({**r, "train_s": t})
     return out
@@ -211,13 +206,13 @@ def crossover(lengths: list[int], ratios: list[float]) -> dict:
 # ----------------------------------------------------------------------------------------------
 # Subprocesses: train.py and train_xla.py with config overrides.
 
-def run_trainer(script: str, overrides: list[str], run_dir: Path, env: dict, timeout: float) -> dict:
-    """Run ``script configs/demo.yaml OVERRIDES checkpoint.dir=run_dir`` in a fresh directory;
-    its output goes to run_dir/train.log. Returns wall and CPU seconds of the process tree."""
+def run_trainer(script: str, config: Path, overrides: list[str], run_dir: Path, env: dict, timeout: float) -> dict:
+    """Run ``script CONFIG OVERRIDES checkpoint.dir=run_dir`` in a fresh directory; its output
+    goes to run_dir/train.log. Returns wall and CPU seconds of the process tree."""
     if run_dir.exists():
         shutil.rmtree(run_dir)  # metrics.jsonl is appended to: start from nothing
     run_dir.mkdir(parents=True)
-    cmd = [sys.executable, str(ROOT / script), str(DEMO_CONFIG), *overrides, f"checkpoint.dir={run_dir}",
+    cmd = [sys.executable, str(ROOT / script), str(config), *overrides, f"checkpoint.dir={run_dir}",
            "checkpoint.interval=0", "checkpoint.keep=1", "checkpoint.resume=none",
            "logging.progress_bar=false", "logging.tensorboard=false"]
     before = os.times()
@@ -257,11 +252,32 @@ def variant_overrides(variant: str) -> list[str]:
     return [f"model.{k}={v}" for k, v in MODEL_VARIANTS[variant].items()]
 
 
-def demo_model_config(**over):
-    """configs/demo.yaml's model section with ``over`` applied."""
-    from model import ModelConfig, load_model_config
+def snapshot_demo_config(args) -> Path:
+    """configs/demo.yaml resolved now (data.dir = --data), written to OUT/demo_config.yaml: the
+    one config of every run and model of this invocation."""
+    import yaml
+    from training.config import load_config
 
-    return ModelConfig(**{**load_model_config(str(DEMO_CONFIG)).to_dict(), **over})
+    cfg = load_config(DEMO_CONFIG, [f"data.dir={args.data}"])
+    path = args.out / "demo_config.yaml"
+    atomic_write_text(path, f"# {display_path(DEMO_CONFIG)} as bench/run.py read it at "
+                            f"{datetime.datetime.now().astimezone().isoformat(timespec='seconds')}\n"
+                            + yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    return path
+
+
+def demo_config(args):
+    """The snapshot's Config (training.config.Config)."""
+    from training.config import load_config
+
+    return load_config(args.config)
+
+
+def demo_model_config(args, **over):
+    """The snapshot's model section with ``over`` applied."""
+    from model import ModelConfig
+
+    return ModelConfig(**{**demo_config(args).model.to_dict(), **over})
 
 
 # ----------------------------------------------------------------------------------------------
@@ -269,24 +285,29 @@ def demo_model_config(**over):
 
 def learning(args, budget: dict) -> dict:
     from model import NashMHC
-    from training.config import load_config
 
-    b = budget
-    cfg = load_config(DEMO_CONFIG, [f"data.dir={args.data}"])
+    cfg = demo_config(args)
     tokens_per_step = cfg.training.batch_size * cfg.data.seq_len
+    steps = max(1, budget["tokens"] // tokens_per_step)
+    eval_interval = max(1, steps // budget["evals"])
+    b = {**budget, "max_steps": steps, "eval_interval": eval_interval,
+         "log_interval": max(1, eval_interval // budget["logs_per_eval"]),
+         "warmup_steps": round(steps * budget["warmup_fraction"]),
+         "eval_steps": max(1, budget["eval_tokens"] // tokens_per_step)}
     seeds = [1337 + i for i in range(args.seeds or b["seeds"])]
     runs_root = args.out / "runs" / "learning"
     env = child_env(args.threads)
-    common = [f"data.dir={args.data}", f"training.max_steps={b['max_steps']}",
+    common = [f"training.max_steps={b['max_steps']}", "training.total_tokens=null",
               f"training.warmup_steps={b['warmup_steps']}", f"training.precision={LEARNING_PRECISION}",
-              "training.device=cpu", f"evaluation.interval={b['eval_interval']}",
-              f"evaluation.steps={b['eval_steps']}", f"logging.interval={b['log_interval']}"]
+              "training.gradient_accumulation_steps=1", "training.device=cpu",
+              f"evaluation.interval={b['eval_interval']}", f"evaluation.steps={b['eval_steps']}",
+              f"logging.interval={b['log_interval']}"]
     runs = {v: [] for v in VARIANTS}
     for seed in seeds:            # interleaved: every variant once per seed, in turn
         for v in VARIANTS:
             run_dir = runs_root / f"{v}-seed{seed}"
             print(f"  learning: {v}, seed {seed} ...", flush=True)
-            proc = run_trainer("train.py", common + variant_overrides(v) + [f"training.seed={seed}"],
+            proc = run_trainer("train.py", args.config, common + variant_overrides(v) + [f"training.seed={seed}"],
                                run_dir, env, timeout=args.run_timeout)
             recs = training_clock(read_metrics(run_dir))
             evals = [r for r in recs if "eval_loss" in r]
@@ -315,14 +336,15 @@ def learning(args, budget: dict) -> dict:
                       "eval_tokens": b["eval_steps"] * tokens_per_step},
            "model": {k: getattr(cfg.model, k) for k in ("d_model", "n_layers", "n_heads", "n_kv_heads",
                                                         "vocab_size", "nash_compression", "nash_window")},
-           "data": {"dir": display_path(args.data), "seq_len": cfg.data.seq_len, "batch_size": cfg.training.batch_size,
+           "data": {"dir": display_path(Path(cfg.data.dir)), "seq_len": cfg.data.seq_len,
+                    "batch_size": cfg.training.batch_size,
                     "learning_rate": cfg.training.learning_rate}}
     base = {r["seed"]: r for r in runs["baseline"]}
     for v in VARIANTS:
         for r in runs[v]:
             val, ended = value_at([e["train_s"] for e in r["eval"]], [e["val_loss"] for e in r["eval"]], T)
             r["val_loss_at_T"], r["ended_before_T"] = val, ended
-        mcfg = demo_model_config(**MODEL_VARIANTS[v])
+        mcfg = demo_model_config(args, **MODEL_VARIANTS[v])
         at_T = [r["val_loss_at_T"] for r in runs[v] if r["val_loss_at_T"] is not None]
         out["variants"][v] = {
             "mhc_streams": mcfg.mhc_streams, "nash_scales": mcfg.nash_scales, "nash_window": mcfg.nash_window,
@@ -391,7 +413,7 @@ def plot_loss_curves(result: dict, path: Path) -> None:
 def speed(args, budget: dict) -> dict:
     import torch
 
-    demo = demo_model_config()
+    demo = demo_model_config(args)
     rows = []
     for seq, batch in budget["shapes"]:
         ns = argparse.Namespace(variants=list(VARIANTS), vocab=demo.vocab_size, d_model=demo.d_model,
@@ -548,10 +570,9 @@ def attention(args, budget: dict) -> dict:
 # 4. Data
 
 def data(args, budget: dict) -> dict:
-    from training.config import load_config
     from training.data import DataStream, TokenWindows
 
-    cfg = load_config(DEMO_CONFIG, [f"data.dir={args.data}"])
+    cfg = demo_config(args)
     batch, seq, workers = cfg.training.batch_size, cfg.data.seq_len, cfg.data.num_workers
     ds = TokenWindows(cfg.data.dir, "train", seq)
     rates, firsts = [], []
@@ -569,9 +590,9 @@ def data(args, budget: dict) -> dict:
     print("  data: a short train.py demo run for the model's consumption ...", flush=True)
     run_dir = args.out / "runs" / "data-consumption"
     n, li = budget["consume_steps"], budget["consume_log_interval"]
-    run_trainer("train.py", [f"data.dir={args.data}", f"training.max_steps={n}", f"logging.interval={li}",
-                             f"training.precision={LEARNING_PRECISION}", "training.device=cpu",
-                             "evaluation.interval=0", "evaluation.steps=1"],
+    run_trainer("train.py", args.config, [f"training.max_steps={n}", "training.total_tokens=null",
+                                          f"logging.interval={li}", f"training.precision={LEARNING_PRECISION}",
+                                          "training.device=cpu", "evaluation.interval=0", "evaluation.steps=1"],
                 run_dir, child_env(args.threads), timeout=args.run_timeout)
     recs = read_metrics(run_dir)
     steady = [r["tokens_per_sec"] for r in recs[1:] if "eval_loss" not in r and "tokens_per_sec" in r]
@@ -594,9 +615,10 @@ def xla(args, budget: dict) -> dict:
     n, li = budget["max_steps"], budget["log_interval"]
     env = child_env(args.threads, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="1")
     print(f"  xla: train_xla.py demo, {n} steps on PJRT CPU ...", flush=True)
-    proc = run_trainer("train_xla.py", [f"data.dir={args.data}", f"training.max_steps={n}", f"logging.interval={li}",
-                                        "evaluation.interval=0", "evaluation.steps=2", "xla.compile_cache=",
-                                        *budget["overrides"]],
+    proc = run_trainer("train_xla.py", args.config,
+                       [f"training.max_steps={n}", "training.total_tokens=null", f"logging.interval={li}",
+                        "evaluation.interval=0", "evaluation.steps=2", "xla.compile_cache=", "xla.mode=ddp",
+                        *budget["overrides"]],
                        run_dir, env, timeout=args.run_timeout)
     recs = [r for r in read_metrics(run_dir) if "xla_compilations" in r]
     # Steady window: from the second logged step (the training graph is compiled by then) to the
@@ -614,7 +636,7 @@ def xla(args, budget: dict) -> dict:
             "cpu_fallback_ops": {"at": [a["xla_cpu_fallbacks"], b["xla_cpu_fallbacks"]]},
             "warmup_compilations": recs[0]["xla_compilations"], "warmup_step": recs[0]["step"],
             "totals": totals, "max_steps": n, "log_interval": li, "overrides": budget["overrides"],
-            "precision": "bf16 (configs/demo.yaml)", "wall_s": proc["wall_s"],
+            "precision": demo_config(args).training.precision, "wall_s": proc["wall_s"],
             "steady_step_s": statistics.median(r["step_time"] for r in window[1:]),
             "dir": str(run_dir.relative_to(args.out))}
 
@@ -685,8 +707,9 @@ def render_markdown(report: dict) -> str:
             continue
         meta = sec["_meta"]
         L += RENDER[name](sec)
-        L += ["", f"<sub>measured {meta['date']}, {meta['wall_s']:.0f}s, load average {meta['load_start']:.2f} → "
-                  f"{meta['load_end']:.2f}{', --quick budgets' if meta['quick'] else ''}</sub>", ""]
+        L += ["", f"<sub>measured {meta['date']} at commit {meta.get('commit', '?')}, {meta['wall_s']:.0f}s, load "
+                  f"average {meta['load_start']:.2f} → {meta['load_end']:.2f}"
+                  f"{', --quick budgets' if meta['quick'] else ''}</sub>", ""]
     return "\n".join(L).rstrip() + "\n"
 
 
@@ -869,6 +892,8 @@ def main(argv=None) -> int:
     command = " ".join(["bench/run.py", *(sys.argv[1:] if argv is None else argv)])
     load_start, t_start = os.getloadavg()[0], time.perf_counter()
     date = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+    args.config = snapshot_demo_config(args)
+    start_commit = machine_info()["git_commit"]
     print(f"bench/run.py: sections {', '.join(args.sections)} -> {args.out} (load average {load_start:.2f})", flush=True)
     failed = []
     for name in args.sections:
@@ -883,9 +908,11 @@ def main(argv=None) -> int:
             failed.append(name)
         res["_meta"] = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
                         "wall_s": time.perf_counter() - t0, "load_start": l0, "load_end": os.getloadavg()[0],
-                        "quick": args.quick}
+                        "quick": args.quick, "commit": machine_info()["git_commit"],
+                        "demo_config": demo_config(args).to_dict()}
         sections[name] = res
         report = {"command": command, "date": date, "quick": args.quick, "machine": machine_info(),
+                  "start_commit": start_commit,
                   "wall_s": time.perf_counter() - t_start, "load_start": load_start,
                   "load_end": os.getloadavg()[0], "sections": sections}
         write_json(str(json_path), report)  # after every section: a crash later keeps what was measured

@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import statistics
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -54,43 +54,29 @@ def test_value_at_outside_the_curve(curve, d):
     assert bench.value_at(xs, ys, xs[-1] + d) == (ys[-1], True)     # the run had ended
 
 
-def records(step_times, eval_every, interval):
-    """metrics.jsonl lines every ``interval`` steps; every ``eval_every``-th line ends with an evaluation."""
-    out = []
-    for i, t in enumerate(step_times, 1):
-        r = {"step": i * interval, "step_time": t, "loss": 1.0, "tokens_seen": i * interval * 10}
-        if i % eval_every == 0:
-            r["eval_loss"] = 2.0
-        out.append(r)
-    return out
-
-
 @settings(max_examples=50)
-@given(st.lists(st.floats(min_value=1e-3, max_value=10), min_size=3, max_size=30),
-       st.integers(min_value=2, max_value=5), st.integers(min_value=1, max_value=10))
-def test_training_clock_leaves_evaluations_out(times, eval_every, interval):
-    recs = records(times, eval_every, interval)
+@given(st.lists(st.tuples(st.integers(min_value=1, max_value=50), st.floats(min_value=1e-3, max_value=10)),
+                min_size=1, max_size=30))
+def test_training_clock_sums_the_loops_step_times(intervals):
+    """train_s at a line = the sum of step_time x steps of every interval up to it."""
+    recs, step = [], 0
+    for steps, t in intervals:
+        step += steps
+        recs.append({"step": step, "step_time": t, "loss": 1.0})
     clock = bench.training_clock(recs)
-    clean = [r["step_time"] for r in recs[1:] if "eval_loss" not in r] or [recs[0]["step_time"]]
-    t = 0.0
-    for r, c in zip(recs, clock):
-        assert c["step"] == r["step"] and c["train_s"] >= t  # cumulative, never decreasing
-        charged = (c["train_s"] - t) / interval
-        if "eval_loss" in r:  # an interval with an evaluation costs the median clean step
-            assert charged == pytest.approx(statistics.median(clean))
-        else:
-            assert charged == pytest.approx(r["step_time"])
-        t = c["train_s"]
+    assert [c["step"] for c in clock] == [r["step"] for r in recs]
+    expected = 0.0
+    for c, (steps, t) in zip(clock, intervals):
+        expected += steps * t
+        assert c["train_s"] == pytest.approx(expected)
+    assert all(b["train_s"] > a["train_s"] for a, b in zip(clock, clock[1:]))
 
 
-def test_training_clock_without_evaluations_is_the_loops_clock():
-    recs = records([1.5, 1.0, 2.0, 1.0], eval_every=99, interval=5)
-    assert [c["train_s"] for c in bench.training_clock(recs)] == pytest.approx([7.5, 12.5, 22.5, 27.5])
-
-
-def test_training_clock_needs_an_interval_without_evaluation():
-    with pytest.raises(bench.BenchError, match="log more often"):
-        bench.training_clock(records([1.0, 1.0], eval_every=1, interval=5))
+def test_training_clock_refuses_lines_without_step_time():
+    with pytest.raises(bench.BenchError, match="no step_time"):
+        bench.training_clock([{"step": 5, "step_time": 1.0}, {"step": 10, "loss": 1.0}])
+    with pytest.raises(bench.BenchError, match="empty"):
+        bench.training_clock([])
 
 
 @pytest.mark.parametrize("ratios, length", [
@@ -176,14 +162,19 @@ def test_quick_learning_on_the_test_corpus(tmp_path, stdlib_data):
     baseline's paired differences are zero, and the PNG is written."""
     r = run_bench("--quick", "--only", "learning", "--data", stdlib_data, "--out", tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
+    snapshot = yaml.safe_load((tmp_path / "demo_config.yaml").read_text())
+    tokens_per_step = snapshot["training"]["batch_size"] * snapshot["data"]["seq_len"]
+    assert snapshot["data"]["dir"] == str(stdlib_data)
     res = json.loads((tmp_path / "latest.json").read_text())["sections"]["learning"]
+    steps = bench.BUDGETS["quick"]["learning"]["tokens"] // tokens_per_step
     assert list(res["variants"]) == list(bench.VARIANTS)
     times = {v: x["train_s"] for v, x in res["variants"].items()}
     assert res["T_s"] == min(times.values()) and res["T_variant"] == min(times, key=times.get)
     for v, x in res["variants"].items():
         (run,) = x["runs"]
-        assert run["tokens"] == res["tokens"] == 8 * 16 * 256
-        assert [e["step"] for e in run["eval"]] == [4, 8]
+        assert run["tokens"] == res["tokens"] == steps * tokens_per_step
+        assert [e["step"] for e in run["eval"]] == [steps // 2, steps]
+        assert run["train_s"] == run["eval"][-1]["train_s"] > run["eval"][0]["train_s"] > 0
         assert x["final_val_loss"]["mean"] == run["eval"][-1]["val_loss"] and math.isfinite(run["final_val_loss"])
         assert run["val_loss_at_T"] is not None
     base = res["variants"]["baseline"]
