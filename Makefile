@@ -20,7 +20,8 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt
 # trainer on the CPU (PJRT), print the validation loss and samples.
 demo: setup
 	@if [ -f $(DATA)/meta.json ]; then echo "$(DATA) exists: reusing it"; else \
-	  $(BIN)/python prepare_data.py --input $(STDLIB) --glob '*.py' --vocab-size 2048 --out $(DATA); fi
+	  $(BIN)/python prepare_data.py --input $(STDLIB) --glob '*.py' --exclude site-packages \
+	    --vocab-size 2048 --val-fraction 0.01 --out $(DATA); fi
 	PJRT_DEVICE=CPU $(BIN)/python train_xla.py configs/demo.yaml data.dir=$(DATA) checkpoint.dir=$(RUN)
 	$(BIN)/python sample.py $(RUN) --prompt 'def ' --max-new-tokens 120 --num-samples 3
 
