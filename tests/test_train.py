@@ -149,3 +149,20 @@ def test_tensorboard_and_wandb_offline(tmp_path, stdlib_data):
     assert r.returncode == 0, r.stderr[-3000:]
     assert list((tmp_path / "run" / "tb").glob("events.out.tfevents.*"))
     assert list((tmp_path / "run").rglob("offline-run-*"))
+
+
+def test_metrics_continue_cleanly_after_a_crash_and_a_fresh_start(tmp_path, stdlib_data):
+    """Lines logged after the last checkpoint are redone on resume (not duplicated); a run from
+    step 0 in a used directory keeps the old metrics aside instead of appending to them."""
+    cfg = tiny_config(tmp_path, stdlib_data, **{"training.max_steps": 6, "checkpoint.interval": 3,
+                                                "evaluation.interval": 0})
+    assert run(["train.py", str(cfg)]).returncode == 0
+    run_dir = tmp_path / "run"
+    (run_dir / "ckpt_00000006.pt").unlink()  # as if the run died after step 6 was logged
+    r = run(["train.py", str(cfg)])
+    assert r.returncode == 0 and "resumed from" in r.stderr
+    assert [m["step"] for m in metrics(run_dir)] == [1, 2, 3, 4, 5, 6]
+    r = run(["train.py", str(cfg), "checkpoint.resume=none"])
+    assert r.returncode == 0 and "is kept as metrics." in r.stderr
+    assert [m["step"] for m in metrics(run_dir)] == [1, 2, 3, 4, 5, 6]
+    assert len(list(run_dir.glob("metrics.*.jsonl"))) == 1

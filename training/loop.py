@@ -165,8 +165,6 @@ def train(cfg: Config, backend: Backend) -> int:
         log(f"resumed from {ckpt_path} at step {state.step} (epoch {state.epoch}, sample "
             f"{state.offset}, {state.tokens_seen:,} tokens seen)")
         del ckpt
-    if resumed is None and cfg.checkpoint.resume == "auto" and (run_dir / "metrics.jsonl").exists():
-        log(f"warning: {run_dir} has metrics.jsonl but no checkpoint: starting from step 0")
 
     stream = DataStream(train_ds, t_cfg.batch_size, replicas, backend.rank, t_cfg.seed,
                         num_workers=d_cfg.num_workers)

@@ -35,6 +35,32 @@ def info(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
 
+def _continue_metrics(path: Path, start_step: int) -> None:
+    """Make metrics.jsonl continue at ``start_step``.
+
+    Resuming from a checkpoint at step k: lines past k describe steps that will run again, so they
+    are dropped (the file is rewritten atomically). Starting from step 0 over an old file: the old
+    file is kept under a new name, never mixed with the new run.
+    """
+    if not path.exists():
+        return
+    if start_step == 0:
+        aside = path.with_name(f"metrics.{time.strftime('%Y%m%d-%H%M%S')}.jsonl")
+        os.replace(path, aside)
+        info(f"warning: starting from step 0: the previous {path.name} is kept as {aside.name}")
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line).get("step", 0) <= start_step:
+                kept.append(line)
+        except ValueError:  # a line cut by a crash
+            continue
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
+
+
 class Monitor:
     def __init__(self, cfg, run_dir: Path, enabled: bool, total_steps: int, start_step: int):
         self.enabled = enabled
@@ -46,6 +72,7 @@ class Monitor:
         if not enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        _continue_metrics(self.run_dir / "metrics.jsonl", start_step)
         self.jsonl = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
         lc = cfg.logging
         if lc.tensorboard:
