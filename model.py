@@ -244,17 +244,25 @@ def scale_gram(outs) -> torch.Tensor:
     return torch.stack([torch.stack(row, dim=-1) for row in g], dim=-2)
 
 
+def nash_distances(gram: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Every scale's mean squared distance to the consensus ``c = sum_m w_m o_m``, from the Gram
+    matrix ``[..., L, L]``: ``|o_l - c|^2 / D = G_ll - 2 (G w)_l + w^T G w``, O(L^2) per token.
+
+    The three terms are as large as ``|o_l|^2`` while their sum can be 0 (a scale on the
+    consensus), so rounding can take it below 0 by a few ulps of ``max G_ll``; a distance is
+    never negative, so it is clamped at 0.
+    """
+    gw = (gram * w.unsqueeze(-2)).sum(dim=-1)                                       # (G w)_l
+    return (gram.diagonal(dim1=-2, dim2=-1) - 2.0 * gw + (w * gw).sum(dim=-1, keepdim=True)).clamp_min(0.0)
+
+
 def nash_rounds(gram: torch.Tensor, valid: torch.Tensor, tau, iters: int) -> torch.Tensor:
-    """The best-response rounds of ``nash_equilibrium`` on the scales' Gram matrix ``[..., L, L]``:
-    ``|o_l - c|^2 / D = G_ll - 2 (G w)_l + w^T G w`` for the consensus ``c = sum_m w_m o_m``, so a
-    round costs O(L^2) per token, whatever the head size."""
-    diag = gram.diagonal(dim1=-2, dim2=-1)
+    """The best-response rounds of ``nash_equilibrium`` on the scales' Gram matrix ``[..., L, L]``
+    (distances by ``nash_distances``: a round costs O(L^2) per token, whatever the head size)."""
     valid_f = valid.to(gram.dtype)
     w = valid_f / valid_f.sum(dim=-1, keepdim=True)
     for _ in range(iters):
-        gw = (gram * w.unsqueeze(-2)).sum(dim=-1)                                   # (G w)_l
-        loss = diag - 2.0 * gw + (w * gw).sum(dim=-1, keepdim=True)
-        w = torch.softmax((-loss / tau).masked_fill(~valid, float("-inf")), dim=-1)
+        w = torch.softmax((-nash_distances(gram, w) / tau).masked_fill(~valid, float("-inf")), dim=-1)
     return w
 
 

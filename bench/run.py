@@ -283,6 +283,41 @@ def demo_model_config(args, **over):
 # ----------------------------------------------------------------------------------------------
 # 1. Learning
 
+def compare_runs(runs: dict[str, list[dict]], baseline: str) -> tuple[float, str, dict]:
+    """Equal tokens and equal wall-clock comparisons of the learning runs, paired by seed with the
+    ``baseline`` variant's.
+
+    ``runs[variant]`` is a list of runs, each with ``seed``, ``train_s`` and ``final_val_loss`` and
+    an ``eval`` curve of ``{"train_s", "val_loss"}``. T is the median training time of the fastest
+    variant, so every curve reaches T up to the seed-to-seed noise of the others (a run that ended
+    before T is read at its end and flagged "ended"; one whose first evaluation came after T has no
+    value at T). Sets ``val_loss_at_T`` and ``ended_before_T`` on every run; returns (T, the
+    fastest variant, a summary per variant).
+    """
+    med_time = {v: statistics.median(r["train_s"] for r in rs) for v, rs in runs.items()}
+    fastest = min(med_time, key=med_time.get)
+    T = med_time[fastest]
+    base = {r["seed"]: r for r in runs[baseline]}
+    for rs in runs.values():
+        for r in rs:
+            r["val_loss_at_T"], r["ended_before_T"] = value_at(
+                [e["train_s"] for e in r["eval"]], [e["val_loss"] for e in r["eval"]], T)
+    summary = {}
+    for v, rs in runs.items():
+        at_T = [r["val_loss_at_T"] for r in rs if r["val_loss_at_T"] is not None]
+        paired = [r["val_loss_at_T"] - base[r["seed"]]["val_loss_at_T"] for r in rs
+                  if r["val_loss_at_T"] is not None and base[r["seed"]]["val_loss_at_T"] is not None]
+        summary[v] = {
+            "final_val_loss": mean_sd([r["final_val_loss"] for r in rs]),
+            "delta_final": mean_sd([r["final_val_loss"] - base[r["seed"]]["final_val_loss"] for r in rs]),
+            "val_loss_at_T": mean_sd(at_T) if at_T else None,
+            "delta_at_T": mean_sd(paired) if paired else None,
+            "ended_before_T": sum(r["ended_before_T"] for r in rs),
+            "train_s": med_time[v],
+        }
+    return T, fastest, summary
+
+
 def learning(args, budget: dict) -> dict:
     from model import NashMHC
 
@@ -325,11 +360,7 @@ def learning(args, budget: dict) -> dict:
             print(f"    val loss {evals[-1]['eval_loss']:.4f} after {recs[-1]['train_s']:.0f}s of training "
                   f"({proc['wall_s']:.0f}s wall)", flush=True)
 
-    # Equal wall-clock: T = the median training time of the fastest variant, so that every curve
-    # reaches T (up to the seed-to-seed noise of the other variants, flagged as "ended").
-    med_time = {v: statistics.median(r["train_s"] for r in runs[v]) for v in VARIANTS}
-    fastest = min(med_time, key=med_time.get)
-    T = med_time[fastest]
+    T, fastest, summary = compare_runs(runs, "baseline")
     out = {"variants": {}, "T_s": T, "T_variant": fastest, "seeds": seeds, "tokens": runs[VARIANTS[0]][0]["tokens"],
            "budget": {**b, "seeds": len(seeds), "tokens_per_step": tokens_per_step,
                       "precision": LEARNING_PRECISION, "threads": args.threads,
@@ -339,24 +370,11 @@ def learning(args, budget: dict) -> dict:
            "data": {"dir": display_path(Path(cfg.data.dir)), "seq_len": cfg.data.seq_len,
                     "batch_size": cfg.training.batch_size,
                     "learning_rate": cfg.training.learning_rate}}
-    base = {r["seed"]: r for r in runs["baseline"]}
     for v in VARIANTS:
-        for r in runs[v]:
-            val, ended = value_at([e["train_s"] for e in r["eval"]], [e["val_loss"] for e in r["eval"]], T)
-            r["val_loss_at_T"], r["ended_before_T"] = val, ended
         mcfg = demo_model_config(args, **MODEL_VARIANTS[v])
-        at_T = [r["val_loss_at_T"] for r in runs[v] if r["val_loss_at_T"] is not None]
         out["variants"][v] = {
             "mhc_streams": mcfg.mhc_streams, "nash_scales": mcfg.nash_scales, "nash_window": mcfg.nash_window,
-            "params": NashMHC(mcfg).num_params(),
-            "final_val_loss": mean_sd([r["final_val_loss"] for r in runs[v]]),
-            "delta_final": mean_sd([r["final_val_loss"] - base[r["seed"]]["final_val_loss"] for r in runs[v]]),
-            "val_loss_at_T": mean_sd(at_T) if at_T else None,
-            "delta_at_T": mean_sd([r["val_loss_at_T"] - base[r["seed"]]["val_loss_at_T"] for r in runs[v]
-                                   if r["val_loss_at_T"] is not None
-                                   and base[r["seed"]]["val_loss_at_T"] is not None]) if at_T else None,
-            "ended_before_T": sum(r["ended_before_T"] for r in runs[v]),
-            "train_s": med_time[v],
+            "params": NashMHC(mcfg).num_params(), **summary[v],
             "tokens_per_sec": statistics.median(r["tokens_per_sec"] for r in runs[v] if r["tokens_per_sec"]),
             "runs": runs[v],
         }

@@ -13,6 +13,15 @@ import sysconfig
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
+
+# Hypothesis profiles. "ci" (HYPOTHESIS_PROFILE=ci, which .ci/run sets): derandomized and without
+# the example database, so every CI run draws the same examples. "dev" (the default): a new random
+# draw each run, so local runs keep exploring; a failure prints its seed, and
+# `pytest --hypothesis-seed=N` replays a draw.
+settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
+settings.register_profile("dev", print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # the top-level scripts (prepare_data.py, model.py, ...) are modules

@@ -102,6 +102,39 @@ def test_crossover_estimate_is_exact_for_a_log_linear_ratio():
     assert bench.crossover(lengths, ratios)["estimate"] == pytest.approx(1500)
 
 
+def _run(seed, evals, final=None):
+    """A learning run with fixed timings: ``evals`` = [(train_s, val_loss), ...]."""
+    return {"seed": seed, "train_s": evals[-1][0], "final_val_loss": final or evals[-1][1],
+            "eval": [{"train_s": t, "val_loss": v} for t, v in evals]}
+
+
+def test_compare_runs_with_fixed_timings():
+    """The equal-tokens and equal-wall-clock arithmetic, on fixed timings (never measured ones)."""
+    runs = {
+        "baseline": [_run(1, [(10, 5.0), (20, 4.0)]), _run(2, [(12, 5.2), (24, 4.2)])],
+        # slower: read at T = 22 (the baseline's median time) between its evaluations
+        "slow": [_run(1, [(20, 4.8), (40, 3.8)]), _run(2, [(30, 4.6), (60, 3.6)])],
+        # first evaluation after T: nothing to read at T for that seed
+        "late": [_run(1, [(15, 4.5), (30, 3.5)]), _run(2, [(25, 4.4), (50, 3.4)])],
+    }
+    T, fastest, summary = bench.compare_runs(runs, "baseline")
+    assert (T, fastest) == (22.0, "baseline")
+    base = summary["baseline"]
+    assert base["delta_final"]["mean"] == 0 and base["delta_at_T"]["mean"] == 0
+    assert [r["val_loss_at_T"] for r in runs["baseline"]] == [4.0, pytest.approx(4.2 + 1.0 * 2 / 12)]
+    assert [r["ended_before_T"] for r in runs["baseline"]] == [True, False]
+    assert [r["val_loss_at_T"] for r in runs["slow"]] == [pytest.approx(4.8 - 0.1), None]
+    assert summary["slow"]["delta_at_T"]["n"] == 1
+    assert summary["slow"]["delta_at_T"]["mean"] == pytest.approx(4.7 - 4.0)
+    assert summary["slow"]["delta_final"]["mean"] == pytest.approx(((3.8 - 4.0) + (3.6 - 4.2)) / 2)
+    assert [r["val_loss_at_T"] for r in runs["late"]] == [pytest.approx(4.5 - 1.0 * 7 / 15), None]
+    assert summary["late"]["train_s"] == 40 and summary["slow"]["train_s"] == 50
+    # no run of a variant has a value at T: no mean and no paired difference, not a crash
+    runs["late"][0]["eval"][0]["train_s"] = 23
+    _, _, summary = bench.compare_runs(runs, "baseline")
+    assert summary["late"]["val_loss_at_T"] is None and summary["late"]["delta_at_T"] is None
+
+
 def test_time_train_steps_on_cpu():
     """The GPU speed path's timer, on the CPU without compile: every model times, MFU needs a peak."""
     from model import ModelConfig, NashMHC
@@ -176,7 +209,9 @@ def test_quick_learning_on_the_test_corpus(tmp_path, stdlib_data):
         assert [e["step"] for e in run["eval"]] == [steps // 2, steps]
         assert run["train_s"] == run["eval"][-1]["train_s"] > run["eval"][0]["train_s"] > 0
         assert x["final_val_loss"]["mean"] == run["eval"][-1]["val_loss"] and math.isfinite(run["final_val_loss"])
-        assert run["val_loss_at_T"] is not None
+        # which evaluations fall before T depends on how fast each run went: only the reading is checked
+        curve = ([e["train_s"] for e in run["eval"]], [e["val_loss"] for e in run["eval"]])
+        assert (run["val_loss_at_T"], run["ended_before_T"]) == bench.value_at(*curve, res["T_s"])
     base = res["variants"]["baseline"]
     assert base["delta_final"]["mean"] == 0 and base["delta_at_T"]["mean"] == 0
     assert base["mhc_streams"] == 1 and base["nash_scales"] == 1

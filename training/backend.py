@@ -60,6 +60,9 @@ class Backend:
         for x, y in iterable:
             yield x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
+    def close_batches(self, batches: Iterator) -> None:
+        """Stop an iterator from ``batches`` (background prefetching, if any)."""
+
     # -- the step ----------------------------------------------------------------------------
     def no_sync(self, model: nn.Module, last_micro_step: bool):
         """Skip the gradient all-reduce on accumulation micro-steps (DDP)."""

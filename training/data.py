@@ -139,6 +139,14 @@ class DataStream:
     def __iter__(self):
         return self
 
+    def close(self) -> None:
+        """Shut down the DataLoader's worker processes now (they would otherwise be killed at
+        exit halfway through sending a batch)."""
+        it, self._it, self._left = self._it, None, 0
+        shutdown = getattr(it, "_shutdown_workers", None)  # multi-process iterators only
+        if shutdown is not None:
+            shutdown()
+
     def __next__(self):
         if self._left == 0:
             self.epoch, self.offset = self.advance(self.epoch, self.offset, 0)

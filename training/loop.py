@@ -137,6 +137,12 @@ def train(cfg: Config, backend: Backend) -> int:
     if resumed is not None:
         ckpt_path, ckpt = resumed
         check_resume_compatible(cfg, ckpt, ckpt_path)
+        if int(ckpt["step"]) >= max_steps:
+            # Nothing to do: no data workers, no compilation, and the checkpoint stays as it is.
+            log(f"{ckpt_path} is at step {int(ckpt['step'])}: this run is done ({max_steps:,} steps). "
+                "Raise training.max_steps (or training.total_tokens) to train further, or set "
+                "checkpoint.resume=none or another checkpoint.dir to start over.")
+            return 0
         model.load_state_dict(ckpt["model"])
 
     log(f"config (resolved):\n{_yaml(cfg.to_dict())}")
@@ -323,6 +329,8 @@ def train(cfg: Config, backend: Backend) -> int:
     finally:
         stopper.restore()
         monitor.close()
+        backend.close_batches(batches)  # stop prefetching and join the data workers
+        stream.close()
 
     if exit_reason == "nonfinite":
         save("non-finite loss")

@@ -65,6 +65,24 @@ def param_partition_spec(name: str, p: torch.Tensor) -> tuple | None:
     return ("fsdp", None)  # embeddings, mHC projections, pooling: FSDP only
 
 
+class _DeviceBatches:
+    """Batches uploaded to the device by a background thread: torch_xla's ``ParallelLoader``, as
+    ``MpDeviceLoader`` uses it, with a ``close`` that stops the prefetching."""
+
+    def __init__(self, iterable, device, **kw):
+        self._loader = pl.ParallelLoader(iterable, [device], **kw)
+        self._it = self._loader.per_device_loader(device)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return next(self._it)
+
+    def close(self) -> None:
+        self._loader.close()
+
+
 class XLABackend(Backend):
     name = "xla"
 
@@ -145,7 +163,10 @@ class XLABackend(Backend):
         kw = {}
         if self.spmd:
             kw["input_sharding"] = self.xs.ShardingSpec(self.mesh, (("data", "fsdp"), None))
-        return iter(pl.MpDeviceLoader(iterable, self.device, **kw))
+        return _DeviceBatches(iterable, self.device, **kw)
+
+    def close_batches(self, batches) -> None:
+        batches.close()
 
     # -- the step ----------------------------------------------------------------------------
     def reduce_gradients(self, optimizer) -> None:
