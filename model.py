@@ -250,7 +250,8 @@ def nash_distances(gram: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
     The three terms are as large as ``|o_l|^2`` while their sum can be 0 (a scale on the
     consensus), so rounding can take it below 0 by a few ulps of ``max G_ll``; a distance is
-    never negative, so it is clamped at 0.
+    never negative, so it is clamped at 0. (The rounds below need only the differences between
+    scales, not the distances themselves; this is the quantity itself, for analysis and tests.)
     """
     gw = (gram * w.unsqueeze(-2)).sum(dim=-1)                                       # (G w)_l
     return (gram.diagonal(dim1=-2, dim2=-1) - 2.0 * gw + (w * gw).sum(dim=-1, keepdim=True)).clamp_min(0.0)
@@ -258,11 +259,22 @@ def nash_distances(gram: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def nash_rounds(gram: torch.Tensor, valid: torch.Tensor, tau, iters: int) -> torch.Tensor:
     """The best-response rounds of ``nash_equilibrium`` on the scales' Gram matrix ``[..., L, L]``
-    (distances by ``nash_distances``: a round costs O(L^2) per token, whatever the head size)."""
+    (a round costs O(L^2) per token, whatever the head size).
+
+    A scale's mean squared distance to the consensus ``c = sum_m w_m o_m`` is
+    ``|o_l - c|^2 / D = G_ll - 2 (G w)_l + w^T G w``. The last term is the same for every scale,
+    and a softmax does not see a shift shared by all its entries, so a round is
+    ``w = softmax((2 (G w)_l - G_ll) / tau)`` over the valid scales: the same weights without the
+    shared term. No distance is formed, so none can come out negative by cancellation (the clamp
+    that ``nash_distances`` needs has nothing to do here).
+    """
     valid_f = valid.to(gram.dtype)
     w = valid_f / valid_f.sum(dim=-1, keepdim=True)
+    diag = gram.diagonal(dim1=-2, dim2=-1)
+    hidden = torch.zeros_like(valid_f).masked_fill(~valid, float("-inf"))   # invalid scales: weight 0
     for _ in range(iters):
-        w = torch.softmax((-nash_distances(gram, w) / tau).masked_fill(~valid, float("-inf")), dim=-1)
+        gw = (gram * w.unsqueeze(-2)).sum(dim=-1)                                # (G w)_l
+        w = torch.softmax((2.0 * gw - diag) / tau + hidden, dim=-1)
     return w
 
 
@@ -317,13 +329,16 @@ def apply_rope(x, cos, sin):
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
-def attend(q, k, v, visible):
+def attend(q, k, v, visible=None):
     """``softmax(q k^T / sqrt(D)) v`` over the visible keys, grouped-query.
 
     ``q [B, H, T, D]``, ``k, v [B, Hkv, S, D]``, ``visible`` a bool mask broadcastable to
-    ``[B, H, T, S]`` with at least one True per row (a fully hidden row has no defined output).
+    ``[B, H, T, S]`` with at least one True per row (a fully hidden row has no defined output), or
+    None for causal attention (``S == T``) through SDPA's own causal path: no mask is built and
+    the kernels skip the blocks above the diagonal.
     """
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=q.shape[1] != k.shape[1])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, is_causal=visible is None,
+                                          enable_gqa=q.shape[1] != k.shape[1])
 
 
 def local_attention(q, k, v, window: int):
@@ -336,7 +351,7 @@ def local_attention(q, k, v, window: int):
     B, H, T, D = q.shape
     t = torch.arange(T, device=q.device)
     if window == 0 or T <= window:
-        return attend(q, k, v, t[None, :] <= t[:, None])
+        return attend(q, k, v)
     if T <= 2 * window:
         return attend(q, k, v, (t[None, :] <= t[:, None]) & (t[:, None] - t[None, :] < window))
     W, Hkv = window, k.shape[1]
@@ -365,7 +380,7 @@ class NashAttention(nn.Module):
     Scale 0: causal (optionally windowed) attention at full resolution. Scale l >= 1: keys and
     values pooled over blocks of r**l tokens; query t sees block j iff the block is complete,
     (j+1) * r**l - 1 <= t. A query that sees no block (t < r**l - 1) has no output at that scale:
-    it is marked invalid for the aggregation and its output is zeroed.
+    it is marked invalid for the aggregation, which gives it weight exactly 0.
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -423,11 +438,11 @@ class NashAttention(nn.Module):
                 j = torch.arange(T // b, device=x.device)
                 visible = (j[None, :] + 1) * b - 1 <= t[:, None]      # block j complete at query t
                 valid.append(t >= b - 1)
-                # a query with no complete block looks at block 0 (never a fully masked row, so
-                # finite on every backend); its output is zeroed, so nothing of it flows anywhere
+                # A query with no complete block looks at block 0: never a fully masked row, so
+                # its output is finite on every backend, and the aggregation gives it weight
+                # exactly 0, so nothing of it reaches the result or flows back (0 x finite = 0).
                 visible = visible | ((j[None, :] == 0) & ~valid[-1][:, None])
-                o_l = attend(q, self.pool(k, l), self.pool(v, l), visible)
-                outs.append(o_l.masked_fill(~valid[-1][:, None], 0.0))
+                outs.append(attend(q, self.pool(k, l), self.pool(v, l), visible))
             o, stats = self.aggregate(outs, torch.stack(valid, dim=-1))
         return self.wo(o.transpose(1, 2).reshape(B, T, H * D)), stats
 

@@ -279,13 +279,21 @@ def test_nash_distances_are_the_squared_distances_and_never_negative(case, mix, 
     assert (got.double() - direct).abs().max().item() <= 64 * torch.finfo(dtype).eps * (1 + g_max)
 
 
+
+
 def test_nash_ignores_the_outputs_of_invalid_scales():
+    """An invalid scale's output (NashAttention does not zero it) changes no weight and gets no
+    gradient, bitwise: its weight is exactly 0 from the first round on."""
     torch.manual_seed(0)
     outputs = torch.randn(4, 3, 8)
     valid = torch.tensor([[True, True, False]] * 4)
     poisoned = outputs.clone()
     poisoned[:, 2] = 1e6
-    assert torch.equal(nash_equilibrium(outputs, valid, 1.0, 3), nash_equilibrium(poisoned, valid, 1.0, 3))
+    poisoned.requires_grad_()
+    w = nash_equilibrium(poisoned, valid, 1.0, 3)
+    assert torch.equal(nash_equilibrium(outputs, valid, 1.0, 3), w.detach())
+    (w * torch.randn_like(w)).sum().backward()
+    assert torch.equal(poisoned.grad[:, 2], torch.zeros(4, 8)) and poisoned.grad[:, :2].abs().sum() > 0
 
 
 # -- the model: causality, equivalence, precision, init -----------------------------------------
