@@ -36,6 +36,7 @@ MHC_RES_OFF_DIAG_BIAS = -8.0            # H_res starts at ~identity: exp(-8) = 3
 MHC_PRE_BIAS = 2.0                      # H_pre starts at sigmoid(+-2) = 0.88 / 0.12: one favoured stream
                                         # per sub-layer (all streams are equal at the start anyway)
 MHC_GATE_INIT = 0.01                    # the gates alpha
+STREAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def _help(text: str, default):
@@ -63,6 +64,9 @@ class ModelConfig:
     sinkhorn_iters: int = _help("Sinkhorn-Knopp iterations for H_res", 20)
     mhc_lite: bool = _help("H_res as a convex combination of the n! permutation matrices (mHC-lite) "
                            "instead of Sinkhorn", False)
+    stream_dtype: Literal["fp32", "bf16"] = _help(
+        "dtype of the mHC residual streams between sub-layers (mhc_streams > 1; bf16 halves their "
+        "memory traffic, as in the mHC paper); the mixing and its coefficients are computed in fp32", "fp32")
     nash_scales: int = _help("attention scales L (1: plain causal attention)", 3)
     nash_compression: int = _help("compression ratio r: scale l pools blocks of r**l tokens", 4)
     nash_window: int = _help("sliding window of the full-resolution scale (0: none)", 64)
@@ -476,17 +480,50 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
-def _stream_logits(h, weight, eps):
-    """Per-token coefficient logits from the flattened streams ``h [B, T, n, C]``, in fp32:
-    RMS-normalise the n*C vector (no weight) and project it."""
-    return _NormedProjection.apply(h.float().flatten(-2), weight.float(), eps)
+# ----------------------------------------------------------------------------------------------
+# mHC: the stream ops and the hyper-connections.
+#
+# The three ops that touch the n-times wider residual (the normalised projection that gives the
+# coefficients, the stream read and the stream write) each come in two forms of the same maths:
+# plain differentiable tensor ops, which a fusing compiler (torch.compile's inductor, XLA) turns
+# into single passes over the streams, and an autograd.Function for eager PyTorch, whose batched
+# products and spelled-out backward make fewer passes over, and fewer temporaries of, the wide
+# tensors there. Which form runs follows from where the graph goes (`_fusing`); bench/model.py
+# measures both on every backend. Coefficients are fp32 whatever the streams' dtype.
+
+def _fusing(x: torch.Tensor) -> bool:
+    """True while tracing for a fusing compiler: torch.compile, or a lazy XLA tensor."""
+    return torch.compiler.is_compiling() or x.device.type == "xla"
+
+
+def normed_projection(x, w, eps):
+    """``(x @ w^T) / sqrt(mean(x^2) + eps)`` over the last dim of ``x [..., K]`` (fp32): the
+    projection of the RMS-normalised x (no weight), without materialising it."""
+    if _fusing(x):
+        return F.linear(x, w) * torch.rsqrt(x.square().mean(dim=-1, keepdim=True) + eps)
+    return _NormedProjection.apply(x, w, eps)
+
+
+def stream_read(w, h):
+    """``x = sum_i w_i h_i`` per token, in fp32 (``w [..., n]`` fp32, ``h [..., n, C]``)."""
+    if _fusing(h):
+        return (w.unsqueeze(-1) * h).sum(dim=-2)
+    return _StreamRead.apply(w, h)
+
+
+def stream_write(h, y, res, post):
+    """``H_res h + H_post^T y`` per token (``h [..., n, C]``, ``y [..., C]``, ``res [..., n, n]``
+    and ``post [..., n]`` fp32), computed in fp32 and rounded once to h's dtype."""
+    if _fusing(h):
+        out = (res.unsqueeze(-1) * h.unsqueeze(-3)).sum(dim=-2) + post.unsqueeze(-1) * y.unsqueeze(-2)
+        return out.to(h.dtype)
+    return _StreamWrite.apply(h, y, res, post)
 
 
 class _NormedProjection(torch.autograd.Function):
-    """``z = (x @ w^T) * r`` with ``r = 1 / sqrt(mean(x^2) + eps)`` over the last dim of ``x [..., K]``:
-    the projection of the RMS-normalised ``x`` without materialising it. The backward is written
-    out, ``dx = (g r) @ w - x r^3 sum(g * (x @ w^T)) / K``: one product and one fused update of
-    the n-times wide input, where autograd's takes five passes over it."""
+    """``normed_projection`` for eager PyTorch: ``z = (x @ w^T) * r`` with ``r = 1 / sqrt(mean(x^2) + eps)``.
+    The backward is written out, ``dx = (g r) @ w - x r^3 sum(g * (x @ w^T)) / K``: one product and
+    one fused update of the n-times wide input, where autograd's takes five passes over it."""
 
     @staticmethod
     def forward(ctx, x, w, eps: float):
@@ -503,6 +540,48 @@ class _NormedProjection(torch.autograd.Function):
         grad_x.addcmul_(x, (g * proj).sum(dim=-1, keepdim=True) * r.pow(3) / -x.shape[-1])
         grad_w = torch.matmul(gr.reshape(-1, gr.shape[-1]).t(), x.reshape(-1, x.shape[-1]))
         return grad_x, grad_w, None
+
+
+# The two stream ops below reduce with (batched) products instead of broadcast-multiply-and-sum:
+# in eager PyTorch on the CPU most of mHC's time went to allocating and faulting in the
+# [..., n, C] temporaries that autograd's versions create. They compute in the coefficients' dtype
+# (fp32) and give each input's gradient in its own dtype (the streams may be bf16, the sub-layer
+# output bf16 under autocast).
+
+class _StreamRead(torch.autograd.Function):
+    """``stream_read`` for eager PyTorch."""
+
+    @staticmethod
+    def forward(ctx, w, h):
+        ctx.save_for_backward(w, h)
+        return torch.matmul(w.unsqueeze(-2), h.to(w.dtype)).squeeze(-2)
+
+    @staticmethod
+    def backward(ctx, g):
+        w, h = ctx.saved_tensors
+        g = g.to(w.dtype)
+        grad_w = torch.matmul(h.to(w.dtype), g.unsqueeze(-1)).squeeze(-1)
+        return grad_w, (w.unsqueeze(-1) * g.unsqueeze(-2)).to(h.dtype)
+
+
+class _StreamWrite(torch.autograd.Function):
+    """``stream_write`` for eager PyTorch."""
+
+    @staticmethod
+    def forward(ctx, h, y, res, post):
+        ctx.save_for_backward(h, y, res, post)
+        out = torch.matmul(res, h.to(res.dtype)).addcmul_(post.unsqueeze(-1), y.to(res.dtype).unsqueeze(-2))
+        return out.to(h.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        h, y, res, post = ctx.saved_tensors
+        g = g.to(res.dtype)
+        grad_h = torch.matmul(res.transpose(-1, -2), g).to(h.dtype)
+        grad_y = torch.matmul(post.unsqueeze(-2), g).squeeze(-2).to(y.dtype)
+        grad_res = torch.matmul(g, h.to(res.dtype).transpose(-1, -2))
+        grad_post = torch.matmul(g, y.to(res.dtype).unsqueeze(-1)).squeeze(-1)
+        return grad_h, grad_y, grad_res, grad_post
 
 
 def permutation_matrices(n: int, device=None) -> torch.Tensor:
@@ -550,7 +629,7 @@ class HyperConnection(nn.Module):
         """fp32 ``H_pre [B, T, n]``, ``H_post [B, T, n]``, ``H_res [B, T, n, n]`` for ``h [B, T, n, C]``."""
         n = self.n
         with torch.autocast(device_type=h.device.type, enabled=False):
-            z = _stream_logits(h, self.phi.weight, self.eps)
+            z = normed_projection(h.float().flatten(-2), self.phi.weight.float(), self.eps)
             pre, post, res = z.split([n, n, self.n_res], dim=-1)
             a = self.alpha.float()
             h_pre = torch.sigmoid(a[0] * pre + self.b_pre.float())
@@ -563,61 +642,21 @@ class HyperConnection(nn.Module):
         return h_pre, h_post, h_res
 
     def read(self, h):
-        """The sub-layer input ``H_pre h [B, T, C]`` and the coefficients ``write`` needs."""
+        """The sub-layer input ``H_pre h [B, T, C]`` (fp32) and the coefficients ``write`` needs."""
         h_pre, h_post, h_res = self.coefficients(h)
-        return _StreamRead.apply(h_pre.to(h.dtype), h), (h_post, h_res)
+        with torch.autocast(device_type=h.device.type, enabled=False):
+            return stream_read(h_pre, h), (h_post, h_res)
 
     def write(self, h, y, coef):
-        """``H_res h + H_post^T y`` for the sub-layer output ``y [B, T, C]``, in the residual's
-        dtype even under autocast (a bf16 product here would round the residual every sub-layer)."""
+        """``H_res h + H_post^T y`` for the sub-layer output ``y [B, T, C]``, in fp32 even under
+        autocast (a bf16 product here would round the residual every sub-layer), stored in h's dtype."""
         h_post, h_res = coef
         with torch.autocast(device_type=h.device.type, enabled=False):
-            return _StreamWrite.apply(h, y.to(h.dtype), h_res.to(h.dtype), h_post.to(h.dtype))
-
-
-# The two stream ops below spell out their backward and reduce with (batched) products instead of
-# broadcast-multiply-and-sum: on CPU most of mHC's time went to allocating and faulting in the
-# [..., n, C] temporaries that autograd's versions create.
-
-class _StreamRead(torch.autograd.Function):
-    """``x = sum_i w_i h_i`` per token (``w [..., n]``, ``h [..., n, C]``)."""
-
-    @staticmethod
-    def forward(ctx, w, h):
-        ctx.save_for_backward(w, h)
-        return torch.matmul(w.unsqueeze(-2), h).squeeze(-2)
-
-    @staticmethod
-    def backward(ctx, g):
-        w, h = ctx.saved_tensors
-        # Under autocast the forward product ran in bf16, so g is bf16 while w and h are not;
-        # backward runs outside autocast: compute in h's dtype, return each input's dtype.
-        g = g.to(h.dtype)
-        grad_w = torch.matmul(h, g.unsqueeze(-1)).squeeze(-1).to(w.dtype)
-        return grad_w, w.to(h.dtype).unsqueeze(-1) * g.unsqueeze(-2)
-
-
-class _StreamWrite(torch.autograd.Function):
-    """``out = res @ h + post^T y`` per token (``h [..., n, C]``, ``y [..., C]``, ``res [..., n, n]``,
-    ``post [..., n]``)."""
-
-    @staticmethod
-    def forward(ctx, h, y, res, post):
-        ctx.save_for_backward(h, y, res, post)
-        return torch.matmul(res, h).addcmul_(post.unsqueeze(-1), y.unsqueeze(-2))
-
-    @staticmethod
-    def backward(ctx, g):
-        h, y, res, post = ctx.saved_tensors
-        grad_h = torch.matmul(res.transpose(-1, -2), g)
-        grad_y = torch.matmul(post.unsqueeze(-2), g).squeeze(-2)
-        grad_res = torch.matmul(g, h.transpose(-1, -2))
-        grad_post = torch.matmul(g, y.unsqueeze(-1)).squeeze(-1)
-        return grad_h, grad_y, grad_res, grad_post
+            return stream_write(h, y, h_res, h_post)
 
 
 class StreamCollapse(nn.Module):
-    """Before the final norm: ``x = sum_i w_i h_i`` with per-token ``w = sigmoid(.) >= 0``."""
+    """Before the final norm: ``x = sum_i w_i h_i`` (fp32) with per-token ``w = sigmoid(.) >= 0``."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -634,9 +673,9 @@ class StreamCollapse(nn.Module):
 
     def forward(self, h):
         with torch.autocast(device_type=h.device.type, enabled=False):
-            w = torch.sigmoid(self.alpha.float() * _stream_logits(h, self.phi.weight, self.eps)
-                              + self.bias.float())
-        return _StreamRead.apply(w.to(h.dtype), h)
+            z = normed_projection(h.float().flatten(-2), self.phi.weight.float(), self.eps)
+            w = torch.sigmoid(self.alpha.float() * z + self.bias.float())
+            return stream_read(w, h)
 
 
 class Block(nn.Module):
@@ -739,7 +778,7 @@ class NashMHC(nn.Module):
         cos, sin = self.rope_cos[:Tp], self.rope_sin[:Tp]
         h = self.drop(self.tok_emb(idx))
         if cfg.mhc_streams > 1:
-            h = h.unsqueeze(2).expand(B, Tp, cfg.mhc_streams, cfg.d_model).contiguous()
+            h = h.unsqueeze(2).expand(B, Tp, cfg.mhc_streams, cfg.d_model).to(STREAM_DTYPES[cfg.stream_dtype]).contiguous()
         checkpoint = cfg.activation_checkpointing and self.training and torch.is_grad_enabled()
         stats = []
         for block in self.blocks:

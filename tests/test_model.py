@@ -615,3 +615,35 @@ def test_cli_process_exits_non_zero_without_traceback(tmp_path):
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip() == (f"error: {path}: aggregation='nahs' is not one of nash, convex, mean "
                                 "(did you mean 'nash'?)")
+
+
+# -- the two forms of the mHC stream ops, stream dtype, torch.compile ---------------------------
+
+@pytest.mark.parametrize("stream_dtype", ["fp32", "bf16"])
+def test_plain_and_hand_written_stream_ops_agree(monkeypatch, stream_dtype):
+    """The plain tensor-op form (what torch.compile and XLA trace) and the autograd.Functions
+    (eager) of the stream ops and the normalised projection: same loss and gradients."""
+    cfg = tiny(stream_dtype=stream_dtype)
+    idx, tgt = torch.randint(0, 64, (2, 40)), torch.randint(0, 64, (2, 40))
+    eager, plain = build(cfg), build(cfg)
+    eager(idx, tgt).loss.backward()
+    monkeypatch.setattr(M, "_fusing", lambda x: True)
+    plain(idx, tgt).loss.backward()
+    for (name, p), q in zip(eager.named_parameters(), plain.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-7), name
+
+
+def test_bf16_streams_store_bf16_and_compute_in_fp32():
+    cfg = tiny(stream_dtype="bf16")
+    m = build(cfg)
+    ref = build(tiny())
+    h = torch.randn(2, 16, 4, 32).bfloat16()
+    out, _ = m.blocks[0](h, m.rope_cos[:16], m.rope_sin[:16])
+    assert out.dtype == torch.bfloat16
+    pre, post, res = m.blocks[0].hc_attn.coefficients(h)
+    assert pre.dtype == post.dtype == res.dtype == torch.float32
+    idx, tgt = torch.randint(0, 64, (2, 40)), torch.randint(0, 64, (2, 40))
+    low, full = m(idx, tgt), ref(idx, tgt)
+    assert low.logits.dtype == torch.float32 and abs(low.loss.item() - full.loss.item()) < 0.01
+    low.loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in m.parameters())
