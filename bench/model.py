@@ -1,25 +1,42 @@
-"""Forward+backward step time and peak memory of Nash-MHC against its baseline, on CPU.
+"""Nash-MHC against its baseline: training-step time on the three CPU backends, compile warm-up,
+XLA graph size per layer, and peak memory.
 
-    .venv/bin/python bench/model.py                      # demo size, batch 4 x seq 512
-    .venv/bin/python bench/model.py --d-model 512 --n-heads 8 --json out.json --profile
+    .venv/bin/python bench/model.py                                   # issue 13's shape, every backend
+    .venv/bin/python bench/model.py --d-model 768 --n-heads 12 --n-kv-heads 12   # the small_gpu width
+    .venv/bin/python bench/model.py --backends eager --profile --json out.json
+    .venv/bin/python bench/model.py --backends xla --hlo-only         # HLO lines per layer, no timing
 
 Variants (same width and depth; max_seq_len = --seq):
   baseline         mhc_streams 1, nash_scales 1, no window: the plain pre-norm transformer
-  nash-mhc         the demo model: 4 mHC streams, 3 scales (compression 4), window 64
-  baseline-window  mhc_streams 1, nash_scales 1 with the demo's window 64
+  nash-mhc         4 mHC streams, 3 scales (compression 4), window --window
   mhc-only         4 streams, 1 scale, no window
-  nash-only        1 stream, 3 scales, window 64
+  nash-only        1 stream, 3 scales, window --window
+  baseline-window  mhc_streams 1, nash_scales 1, window --window (not run unless asked for)
 
-Time: all variants live in one process and take turns, one step each per round, so a change in
-the machine's load hits them alike; the median over --repeats rounds after --warmup rounds, as
-wall time and as this process's CPU time (steadier on a shared machine). With glibc's default
-malloc, freed blocks of a few MiB go back to the kernel and are faulted in again on the next
-allocation, which taxes mHC's n-times wider tensors most; --tuned-malloc keeps them (as jemalloc
-or tcmalloc would). Memory: each variant again in a fresh process that runs one warm-up step,
-resets the kernel's resident-set high-water mark (/proc/self/clear_refs) and runs one more step:
-"peak RSS" is the process's high-water mark during that step (it includes the ~0.5 GiB of the
-torch import and the model), "step RSS" how far the step raised it above the resident set just
-before it: activations, gradients and allocator slack, the memory a step costs.
+The step is forward + backward + AdamW (no clipping), fp32, batch --batch x seq --seq, on:
+  eager    PyTorch eager on the CPU with --threads intra-op threads, torch's fused AdamW (train.py's CPU step)
+  compile  torch.compile(model, fullgraph=True) (inductor, CPU), fused AdamW outside the graph; a fresh
+           inductor cache, so the warm-up is a real compilation
+  xla      PJRT CPU as train_xla.py runs it: training.xla_backend.XLABackend places the model, the
+           tensor-op AdamW of training.optim, one XLA graph per step (torch_xla.sync()); a step ends
+           when its loss reaches the host
+Every backend runs in its own process. In it, every variant first takes one step alone (its
+"warm-up": compilation included, after a tiny model has been compiled once so that one-time costs
+of the compiler land on none of them), then all take turns, one step each per round, so a change
+in the machine's load hits them alike: the median over --repeats rounds after --warmup rounds, as
+wall time and as the process's CPU time. "x baseline" divides by the baseline measured in the same
+process. The component split: mhc-only and nash-only against the baseline.
+
+HLO lines per layer (xla): the HLO text of one training step (torch_xla's _get_xla_tensors_hlo on
+the loss and gradients: "fwd+bwd"; on the loss, updated parameters and optimiser state: "step") at
+1 and at 2 layers; the difference is what one more block adds to the graph XLA compiles.
+
+Memory (eager): each variant again in a fresh process that runs one warm-up step (forward and
+backward), resets the kernel's resident-set high-water mark (/proc/self/clear_refs) and runs one
+more: "peak RSS" is the high-water mark during that step (it includes the ~0.5 GiB of the torch
+import and the model), "step RSS" how far the step raised it above the resident set just before it.
+With glibc's default malloc, freed blocks of a few MiB go back to the kernel and are faulted in
+again on the next allocation; --tuned-malloc keeps them (as jemalloc or tcmalloc would).
 """
 from __future__ import annotations
 
@@ -28,6 +45,7 @@ import ctypes
 import json
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -36,15 +54,19 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 
 VARIANTS = {
     "baseline": dict(mhc_streams=1, nash_scales=1, nash_window=0),
     "nash-mhc": dict(),
-    "baseline-window": dict(mhc_streams=1, nash_scales=1),
     "mhc-only": dict(nash_scales=1, nash_window=0),
     "nash-only": dict(mhc_streams=1),
+    "baseline-window": dict(mhc_streams=1, nash_scales=1),
 }
+DEFAULT_VARIANTS = ("baseline", "nash-mhc", "mhc-only", "nash-only")
+BACKENDS = ("eager", "compile", "xla")
+TARGETS = {"eager": 1.4, "compile": 1.25, "xla": 1.3}   # issue 13, nash-mhc / baseline at its shape
 
 
 def tune_glibc_malloc() -> bool:
@@ -59,13 +81,15 @@ def tune_glibc_malloc() -> bool:
     return bool(libc.mallopt(m_mmap_threshold, 32 << 20)) and bool(libc.mallopt(m_trim_threshold, 1 << 30))
 
 
-def make_config(args, variant: str):
+def make_config(args, variant: str, **over):
     from model import ModelConfig
 
     base = dict(vocab_size=args.vocab, d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads,
                 n_kv_heads=args.n_kv_heads, max_seq_len=args.seq, mhc_streams=4, nash_scales=3,
-                nash_compression=4, nash_window=64, nash_iters=3, sinkhorn_iters=args.sinkhorn_iters)
-    return ModelConfig(**{**base, **VARIANTS[variant]})
+                nash_compression=4, nash_window=getattr(args, "window", 64), nash_iters=3,
+                sinkhorn_iters=args.sinkhorn_iters)
+    extra = dict(stream_dtype=args.stream_dtype) if getattr(args, "stream_dtype", None) else {}
+    return ModelConfig(**{**base, **extra, **VARIANTS[variant], **over})
 
 
 def _status_kib(field: str) -> int:
@@ -86,12 +110,28 @@ def reset_peak_rss() -> bool:
         return False
 
 
-def step(model, idx, tgt):
+def interleaved(steps: dict, warmup: int, repeats: int) -> dict:
+    """Call every step once per round, in turn; median wall and process-CPU seconds after ``warmup``."""
+    wall = {k: [] for k in steps}
+    cpu = {k: [] for k in steps}
+    for r in range(warmup + repeats):
+        for k, fn in steps.items():
+            w0, c0 = time.perf_counter(), time.process_time()
+            fn()
+            if r >= warmup:
+                wall[k].append(time.perf_counter() - w0)
+                cpu[k].append(time.process_time() - c0)
+    return {k: {"wall_s": statistics.median(wall[k]), "cpu_s": statistics.median(cpu[k]), "wall_all": wall[k]}
+            for k in steps}
+
+
+def fwd_bwd(model, idx, tgt):
     model(idx, tgt).loss.backward()
     model.zero_grad(set_to_none=True)
 
 
 def time_variants(args) -> dict:
+    """Eager forward+backward (no optimiser) of ``args.variants``, interleaved (bench/run.py's speed section)."""
     import torch
     from model import NashMHC
 
@@ -99,18 +139,172 @@ def time_variants(args) -> dict:
     models = {v: NashMHC(make_config(args, v)) for v in args.variants}
     idx = torch.randint(0, args.vocab, (args.batch, args.seq))
     tgt = torch.randint(0, args.vocab, (args.batch, args.seq))
-    wall = {v: [] for v in models}
-    cpu = {v: [] for v in models}
-    for r in range(args.warmup + args.repeats):
-        for v, m in models.items():
-            w0, c0 = time.perf_counter(), time.process_time()
-            step(m, idx, tgt)
-            if r >= args.warmup:
-                wall[v].append(time.perf_counter() - w0)
-                cpu[v].append(time.process_time() - c0)
-    return {v: {"params": models[v].num_params(), "wall_s": statistics.median(wall[v]),
-                "cpu_s": statistics.median(cpu[v]), "wall_all": wall[v]} for v in models}
+    res = interleaved({v: (lambda m=m: fwd_bwd(m, idx, tgt)) for v, m in models.items()}, args.warmup, args.repeats)
+    for v, m in models.items():
+        res[v]["params"] = m.num_params()
+    return res
 
+
+# ----------------------------------------------------------------------------------------------
+# One backend, in its own process.
+
+def torch_step(args, variant: str, compiled: bool):
+    """The eager or torch.compile training step of one variant (fused AdamW, as train.py on CPU/CUDA)."""
+    import torch
+    from model import NashMHC
+    from training.backend import TorchBackend
+    from training.config import TrainingConfig
+    from training.optim import build_optimizer
+
+    torch.manual_seed(0)
+    model = NashMHC(make_config(args, variant))
+    fwd = torch.compile(model, fullgraph=True) if compiled else model
+    opt = build_optimizer(model, TrainingConfig(), TorchBackend("cpu").adamw_factory())
+    idx = torch.randint(0, args.vocab, (args.batch, args.seq))
+    tgt = torch.randint(0, args.vocab, (args.batch, args.seq))
+
+    def step():
+        fwd(idx, tgt).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step, model.num_params()
+
+
+class XLAStepBuilder:
+    """The train_xla.py training step of a variant on PJRT CPU (torch_xla through the XLA backend)."""
+
+    def __init__(self):
+        from training.config import Config
+        from training.xla_backend import XLABackend
+
+        self.cfg = Config()
+        self.cfg.xla.compile_cache = None
+        self.backend = XLABackend(self.cfg)
+
+    def build(self, mcfg):
+        import torch
+        from model import NashMHC
+        from training.optim import build_optimizer
+
+        torch.manual_seed(0)
+        self.cfg.model = mcfg
+        model = self.backend.prepare_model(NashMHC(mcfg), self.cfg)
+        opt = build_optimizer(model, self.cfg.training, self.backend.adamw_factory())
+        opt.init_state()
+        self.backend.sync()
+        dev = self.backend.device
+        idx = torch.randint(0, mcfg.vocab_size, (4, mcfg.max_seq_len)).to(dev)
+        tgt = torch.randint(0, mcfg.vocab_size, (4, mcfg.max_seq_len)).to(dev)
+        return model, opt, idx, tgt
+
+    def step(self, args, variant: str):
+        import torch
+
+        mcfg = make_config(args, variant)
+        model, opt, _, _ = self.build(mcfg)
+        dev = self.backend.device
+        idx = torch.randint(0, args.vocab, (args.batch, args.seq)).to(dev)
+        tgt = torch.randint(0, args.vocab, (args.batch, args.seq)).to(dev)
+
+        def step():
+            loss = model(idx, tgt).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            self.backend.sync()
+            loss.cpu()  # waits for the step's graph to finish
+
+        return step, model.num_params()
+
+
+def hlo_lines(builder: XLAStepBuilder, args, variant: str, n_layers: int) -> dict:
+    """Lines of HLO text of one training step at ``n_layers``: fwd+bwd (loss and gradients) and the
+    whole step (loss, updated parameters and optimiser state). Traced only, never compiled or run."""
+    import torch
+    import torch_xla  # bench only: the HLO text of a traced graph has no public API outside torch_xla
+
+    model, opt, _, _ = builder.build(make_config(args, variant, n_layers=n_layers))
+    dev = builder.backend.device
+    idx = torch.randint(0, args.vocab, (args.batch, args.seq)).to(dev)
+    tgt = torch.randint(0, args.vocab, (args.batch, args.seq)).to(dev)
+    loss = model(idx, tgt).loss
+    loss.backward()
+    params = [p for p in model.parameters()]
+    text = torch_xla._XLAC._get_xla_tensors_hlo([loss] + [p.grad for p in params if p.grad is not None])
+    fb = len(text.splitlines())
+    opt.step()
+    state = [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
+    step = len(torch_xla._XLAC._get_xla_tensors_hlo([loss] + params + state).splitlines())
+    del model, opt, loss, params, state   # the traced graph is dropped, never executed
+    return {"fwd_bwd": fb, "step": step}
+
+
+def hlo_per_layer(builder: XLAStepBuilder, args) -> dict:
+    out = {}
+    for v in args.variants:
+        one, two = hlo_lines(builder, args, v, 1), hlo_lines(builder, args, v, 2)
+        out[v] = {"one_layer": one, "two_layers": two, "per_layer": {k: two[k] - one[k] for k in one}}
+    return out
+
+
+def backend_worker(args) -> dict:
+    """Warm-up, interleaved timing (and, on xla, HLO lines per layer) of every variant on one backend."""
+    import torch
+
+    torch.set_num_threads(args.threads)
+    out: dict = {"backend": args.worker, "threads": args.threads}
+    builder = XLAStepBuilder() if args.worker == "xla" else None
+    if builder is not None:
+        out["hlo"] = hlo_per_layer(builder, args)
+        if args.hlo_only:
+            return out
+
+    def make(variant, a=args):
+        if builder is not None:
+            return builder.step(a, variant)
+        return torch_step(a, variant, compiled=args.worker == "compile")
+
+    # A tiny model first: the compilers' one-time costs (imports, C++ toolchain checks) land here.
+    tiny = argparse.Namespace(**{**vars(args), "d_model": 32, "n_heads": 2, "n_kv_heads": 2, "n_layers": 1,
+                                 "batch": 1, "seq": 64, "vocab": 64, "window": 16})
+    make("baseline", tiny)[0]()
+    steps, results = {}, {}
+    for v in args.variants:
+        step, params = make(v)
+        t0 = time.perf_counter()
+        step()
+        results[v] = {"params": params, "warmup_s": time.perf_counter() - t0}
+        steps[v] = step
+    for v, r in interleaved(steps, args.warmup, args.repeats).items():
+        results[v].update(r)
+    out["results"] = results
+    return out
+
+
+def run_backend(args, backend: str) -> dict:
+    cmd = [sys.executable, __file__, "--worker", backend, *forwarded(args)]
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    cache = None
+    if backend == "compile":
+        cache = tempfile.mkdtemp(prefix="bench-inductor-")
+        env["TORCHINDUCTOR_CACHE_DIR"] = cache
+    if backend == "xla":
+        env.update(PJRT_DEVICE="CPU", CPU_NUM_DEVICES="1", TF_CPP_MIN_LOG_LEVEL="3")
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    finally:
+        if cache:
+            shutil.rmtree(cache, ignore_errors=True)
+    lines = [s for s in r.stdout.splitlines() if s.startswith("RESULT ")]
+    if r.returncode != 0 or not lines:
+        tail = (r.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RuntimeError(f"the {backend} worker failed: {tail}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+# ----------------------------------------------------------------------------------------------
+# Memory (eager), in fresh processes.
 
 def memory_worker(args) -> None:
     """In a fresh process: build one variant, run a warm-up step (lazy initialisations), reset
@@ -122,10 +316,10 @@ def memory_worker(args) -> None:
     model = NashMHC(make_config(args, args.memory_worker))
     idx = torch.randint(0, args.vocab, (args.batch, args.seq))
     tgt = torch.randint(0, args.vocab, (args.batch, args.seq))
-    step(model, idx, tgt)
+    fwd_bwd(model, idx, tgt)
     exact = reset_peak_rss()
     before = _status_kib("VmRSS")
-    step(model, idx, tgt)
+    fwd_bwd(model, idx, tgt)
     peak = _status_kib("VmHWM") if exact else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     print(json.dumps({"peak_rss": peak * 1024, "step_rss": max(0, peak - before) * 1024, "hwm_reset": exact}))
 
@@ -143,23 +337,28 @@ def measure_memory(args, variant: str) -> dict:
 
 
 def forwarded(args) -> list[str]:
-    return [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
-            ("batch", "seq", "vocab", "d_model", "n_layers", "n_heads", "n_kv_heads", "sinkhorn_iters", "threads")]
+    out = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
+           ("batch", "seq", "vocab", "d_model", "n_layers", "n_heads", "n_kv_heads", "window", "sinkhorn_iters",
+            "threads", "warmup", "repeats")]
+    out.append("--variants=" + ",".join(args.variants))
+    if args.stream_dtype:
+        out.append(f"--stream-dtype={args.stream_dtype}")
+    if args.tuned_malloc:
+        out.append("--tuned-malloc")
+    if args.hlo_only:
+        out.append("--hlo-only")
+    return out
 
 
 def profile(args, variant: str, rows: int = 25) -> str:
     import torch
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
-    from model import NashMHC
 
-    torch.manual_seed(0)
-    model = NashMHC(make_config(args, variant))
-    idx = torch.randint(0, args.vocab, (args.batch, args.seq))
-    tgt = torch.randint(0, args.vocab, (args.batch, args.seq))
-    step(model, idx, tgt)
+    step, _ = torch_step(args, variant, compiled=False)
+    step()
     with torch_profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-        step(model, idx, tgt)
+        step()
     return prof.key_averages(group_by_input_shape=True).table(sort_by="self_cpu_time_total", row_limit=rows,
                                                               max_name_column_width=40, max_shapes_column_width=60)
 
@@ -173,79 +372,142 @@ def write_json(path: str, data: dict) -> None:
     os.replace(tmp, path)
 
 
+# ----------------------------------------------------------------------------------------------
+# The report.
+
+def render(args, report: dict) -> str:
+    L = [f"Nash-MHC vs baseline, training step (forward+backward+AdamW, fp32): batch {args.batch} x seq "
+         f"{args.seq}, d_model {args.d_model}, {args.n_layers} layers, {args.n_heads} heads ({args.n_kv_heads} kv), "
+         f"vocab {args.vocab}, window {args.window}, sinkhorn_iters {args.sinkhorn_iters}"
+         + (f", stream_dtype {args.stream_dtype}" if args.stream_dtype else "")
+         + f"; {args.threads} thread(s); median of {args.repeats} interleaved rounds after {args.warmup}; "
+         f"{'tuned' if args.tuned_malloc else 'default'} glibc malloc; load average {report['load'][0]:.2f} at the "
+         f"start, {report['load'][1]:.2f} at the end"]
+    timed = {b: r for b, r in report["backends"].items() if "results" in r}
+    if timed:
+        L += ["", f"{'backend':<9}{'variant':<16}{'params':>11}{'step wall':>12}{'step CPU':>11}{'x baseline':>13}"
+                  f"{'warm-up':>10}{'x baseline':>12}"]
+        for b, r in timed.items():
+            res, ref = r["results"], r["results"].get("baseline")
+            for v, x in res.items():
+                ratio = f"{x['wall_s'] / ref['wall_s']:.2f} / {x['cpu_s'] / ref['cpu_s']:.2f}" if ref else "-"
+                wratio = f"{x['warmup_s'] / ref['warmup_s']:.2f}" if ref else "-"
+                mem = ""
+                if "peak_rss" in x:
+                    mem = f"{x['peak_rss'] / 2**20:>9.0f}MiB peak{x['step_rss'] / 2**20:>7.0f}MiB step"
+                L.append(f"{b:<9}{v:<16}{x['params']:>11,}{x['wall_s'] * 1e3:>10.1f}ms{x['cpu_s'] * 1e3:>9.1f}ms"
+                         f"{ratio:>13}{x['warmup_s']:>9.1f}s{wratio:>12}{mem}")
+        L.append("x baseline: wall / CPU time (warm-up: wall) over 'baseline' in the same process; targets for "
+                 "nash-mhc: " + ", ".join(f"{b} <= {t}" for b, t in TARGETS.items()))
+        split = [b for b, r in timed.items() if "baseline" in r["results"]]
+        if split:
+            L += ["", "| backend | baseline | Nash-MHC | ratio | mHC alone | Nash alone | warm-up ratio |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]
+            for b in split:
+                res = timed[b]["results"]
+                ref = res["baseline"]
+
+                def cell(v, key="wall_s"):
+                    return f"{res[v][key] / ref[key]:.2f}x" if v in res else ""
+
+                nash = f"{res['nash-mhc']['wall_s'] * 1e3:.0f} ms" if "nash-mhc" in res else ""
+                L.append(f"| {b} | {ref['wall_s'] * 1e3:.0f} ms | {nash} | {cell('nash-mhc')} | {cell('mhc-only')} | "
+                         f"{cell('nash-only')} | {cell('nash-mhc', 'warmup_s')} |")
+    hlo = report["backends"].get("xla", {}).get("hlo")
+    if hlo:
+        ref = hlo.get("baseline", {}).get("per_layer")
+        L += ["", "HLO lines of one training step on PJRT CPU (per layer = 2 layers - 1 layer):", "",
+              "| variant | fwd+bwd, 1 layer | per layer | x baseline | step, 1 layer | per layer | x baseline |",
+              "|---|---:|---:|---:|---:|---:|---:|"]
+        for v, x in hlo.items():
+            p = x["per_layer"]
+            rf = f"{p['fwd_bwd'] / ref['fwd_bwd']:.2f}" if ref else "-"
+            rs = f"{p['step'] / ref['step']:.2f}" if ref else "-"
+            L.append(f"| {v} | {x['one_layer']['fwd_bwd']:,} | {p['fwd_bwd']:,} | {rf} | {x['one_layer']['step']:,} | "
+                     f"{p['step']:,} | {rs} |")
+    return "\n".join(L)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated, from: " + ", ".join(BACKENDS))
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--vocab", type=int, default=512)
-    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--d-model", type=int, default=256)
     p.add_argument("--n-layers", type=int, default=4)
-    p.add_argument("--n-heads", type=int, default=4)
-    p.add_argument("--n-kv-heads", type=int, default=2)
+    p.add_argument("--n-heads", type=int, default=8)
+    p.add_argument("--n-kv-heads", type=int, default=4)
+    p.add_argument("--window", type=int, default=128, help="nash_window of nash-mhc and nash-only")
     p.add_argument("--sinkhorn-iters", type=int, default=20)
+    p.add_argument("--stream-dtype", choices=["fp32", "bf16"], default=None,
+                   help="model.stream_dtype of every variant (default: the model's default)")
     p.add_argument("--repeats", type=int, default=7, help="timed rounds (median)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, from: " + ", ".join(VARIANTS))
-    p.add_argument("--no-memory", action="store_true", help="skip the per-variant memory processes")
+    p.add_argument("--warmup", type=int, default=2, help="untimed rounds after each variant's first step")
+    p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (eager, compile)")
+    p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                   help="comma-separated, from: " + ", ".join(VARIANTS))
+    p.add_argument("--no-memory", action="store_true", help="skip the per-variant memory processes (eager)")
+    p.add_argument("--hlo-only", action="store_true", help="xla: HLO lines per layer only, no timing")
     p.add_argument("--tuned-malloc", action="store_true",
                    help="time with glibc malloc keeping freed memory (see tune_glibc_malloc)")
-    p.add_argument("--profile", action="store_true", help="also print torch.profiler's top ops for nash-mhc")
+    p.add_argument("--profile", action="store_true", help="also print torch.profiler's top ops for eager nash-mhc")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    p.add_argument("--worker", choices=BACKENDS, help=argparse.SUPPRESS)
     p.add_argument("--memory-worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     bad = [v for v in args.variants if v not in VARIANTS]
     if bad or not args.variants:
         print(f"error: --variants: unknown {bad or 'empty'}; choose from {', '.join(VARIANTS)}", file=sys.stderr)
         return 2
+    bad = [b for b in backends if b not in BACKENDS]
+    if bad or not backends:
+        print(f"error: --backends: unknown {bad or 'empty'}; choose from {', '.join(BACKENDS)}", file=sys.stderr)
+        return 2
     if min(args.batch, args.seq, args.repeats, args.threads) < 1 or args.warmup < 0:
         print("error: --batch, --seq, --repeats and --threads must be >= 1, --warmup >= 0", file=sys.stderr)
         return 2
-    os.environ["OMP_NUM_THREADS"] = str(args.threads)
-    import torch
-
-    torch.set_num_threads(args.threads)
     try:
-        make_config(args, "nash-mhc")
-    except ValueError as e:
+        for v in args.variants:
+            make_config(args, v)
+    except (ValueError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if args.memory_worker:
-        memory_worker(args)
-        return 0
-
     if args.tuned_malloc and not tune_glibc_malloc():
         print("error: --tuned-malloc: glibc's mallopt is not available here", file=sys.stderr)
         return 2
-    results = time_variants(args)
-    if not args.no_memory:
-        for v in args.variants:
-            results[v].update(measure_memory(args, v))
-    ref = results.get("baseline")
-    print(f"Nash-MHC forward+backward on CPU: batch {args.batch} x seq {args.seq}, d_model {args.d_model}, "
-          f"{args.n_layers} layers, {args.n_heads} heads ({args.n_kv_heads} kv), vocab {args.vocab}, "
-          f"{args.threads} thread(s); median of {args.repeats} interleaved rounds after {args.warmup} warm-up; "
-          f"{'tuned' if args.tuned_malloc else 'default'} glibc malloc; load average {os.getloadavg()[0]:.1f}")
-    header = f"{'variant':<16}{'params':>10}{'step wall':>12}{'step CPU':>11}{'x baseline':>12}"
-    if not args.no_memory:
-        header += f"{'peak RSS':>12}{'step RSS':>11}"
-    print(header)
-    for v in args.variants:
-        r = results[v]
-        ratio = f"{r['wall_s'] / ref['wall_s']:.2f} / {r['cpu_s'] / ref['cpu_s']:.2f}" if ref else "-"
-        line = f"{v:<16}{r['params']:>10,}{r['wall_s'] * 1e3:>10.1f}ms{r['cpu_s'] * 1e3:>9.1f}ms{ratio:>12}"
-        if not args.no_memory:
-            line += f"{r['peak_rss'] / 2**20:>9.0f}MiB{r['step_rss'] / 2**20:>8.0f}MiB"
-        print(line)
-    if ref:
-        print("x baseline: wall / CPU time ratio to 'baseline' (target for nash-mhc: <= 1.5)")
+    if args.memory_worker:
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)
+        import torch
+
+        torch.set_num_threads(args.threads)
+        memory_worker(args)
+        return 0
+    if args.worker:
+        print("RESULT " + json.dumps(backend_worker(args)), flush=True)
+        return 0
+
+    load0 = os.getloadavg()[0]
+    report = {"args": {k: v for k, v in vars(args).items() if k not in ("worker", "memory_worker")}, "backends": {}}
+    for b in backends:
+        print(f"  {b} ...", file=sys.stderr, flush=True)
+        report["backends"][b] = run_backend(args, b)
+        if b == "eager" and not args.no_memory and not args.hlo_only:
+            for v in args.variants:
+                report["backends"][b]["results"][v].update(measure_memory(args, v))
+    report["load"] = [load0, os.getloadavg()[0]]
+    print(render(args, report))
     if args.profile:
-        print("\ntorch.profiler, one nash-mhc step, top ops by self CPU time:")
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)
+        import torch
+
+        torch.set_num_threads(args.threads)
+        print("\ntorch.profiler, one eager nash-mhc training step, top ops by self CPU time:")
         print(profile(args, "nash-mhc"))
     if args.json:
-        write_json(args.json, {"args": {k: v for k, v in vars(args).items() if k != "memory_worker"},
-                               "results": results})
+        write_json(args.json, report)
     return 0
 
 
