@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import threading
 from pathlib import Path
 from typing import Callable
 
@@ -220,16 +221,18 @@ class XLABackend(Backend):
                                   f"xla.mode=spmd and must divide over xla.mesh data x fsdp = "
                                   f"{m.data} x {m.fsdp} = {shards} devices")
             self.world_size, self.rank, self.is_master = 1, 0, xr.process_index() == 0
-            self.n_devices = xr.global_runtime_device_count()
         else:
             self.world_size = xr.world_size()
             self.rank = xr.global_ordinal()
             self.is_master = self.rank == 0  # the global master: one writer across hosts
-            self.n_devices = self.world_size
         # Cross-process decisions (stop signals) are taken at log intervals: a rendezvous costs
         # a host round trip, which the step never pays.
         self.signal_check_interval = cfg.logging.interval
         self._specs: dict[int, tuple] = {}
+        # Log lines run in torch_xla's asynchronous step closures; wait_host() waits for them.
+        self._host_pending = 0
+        self._host_done = threading.Condition()
+        self._host_error: BaseException | None = None
 
     def _init_cache(self, cache: str | None) -> None:
         if not cache:
@@ -287,6 +290,15 @@ class XLABackend(Backend):
         batches.close()
 
     # -- the step ----------------------------------------------------------------------------
+    def keep_gradients(self, params, accumulation: int) -> bool:
+        if accumulation == 1:
+            return False  # gradients freed after each update: no buffer held during the forward
+        for p in params:
+            p.grad = torch.zeros_like(p)
+            if self.spmd and id(p) in self._specs:
+                self.xs.mark_sharding(p.grad, self.mesh, self._specs[id(p)])
+        return True
+
     def reduce_gradients(self, optimizer) -> None:
         if not self.spmd and self.world_size > 1:
             xm.reduce_gradients(optimizer)
@@ -299,10 +311,37 @@ class XLABackend(Backend):
             return t
         return xm.all_reduce(xm.REDUCE_SUM, t, scale=1.0 / self.world_size)
 
-    def on_host(self, fn: Callable[[dict], None], tensors: dict) -> None:
-        def closure(values):
-            fn({k: float(v.cpu()) for k, v in values.items()})
-        xm.add_step_closure(closure, args=(tensors,))
+    def on_host(self, fn: Callable[..., None], values: torch.Tensor, *args) -> None:
+        """``fn(numbers, *args)`` in an asynchronous step closure: after the next sync, a
+        background thread waits for ``values`` (one device-to-host transfer) and calls ``fn``,
+        while the loop traces the next step. Closures run one at a time, in order."""
+        self._raise_host_error()
+
+        def closure(v):
+            try:
+                fn(v.cpu().tolist(), *args)
+            except BaseException as e:  # raised in the loop's thread by the next on_host/wait_host
+                self._host_error = self._host_error or e
+            finally:
+                with self._host_done:
+                    self._host_pending -= 1
+                    self._host_done.notify_all()
+
+        with self._host_done:
+            self._host_pending += 1
+        xm.add_step_closure(closure, args=(values,), run_async=True)
+
+    def wait_host(self) -> None:
+        if self._host_pending:
+            torch_xla.sync()  # closures start at a sync; a queued one must not wait forever
+        with self._host_done:
+            self._host_done.wait_for(lambda: self._host_pending == 0)
+        self._raise_host_error()
+
+    def _raise_host_error(self) -> None:
+        if self._host_error is not None:
+            e, self._host_error = self._host_error, None
+            raise e
 
     def any_process(self, flag: bool) -> bool:
         if self.spmd or self.world_size == 1:
@@ -341,6 +380,10 @@ class XLABackend(Backend):
         self.barrier()
 
     # -- reporting ---------------------------------------------------------------------------
+    @property
+    def n_devices(self) -> int:
+        return xr.global_runtime_device_count() if self.spmd else self.world_size
+
     def device_name(self) -> str:
         kind = xm.xla_device_kind() if xr.device_type() == "TPU" else xr.device_type() or "XLA"
         mode = f"spmd mesh {tuple(self.mesh.mesh_shape)}" if self.spmd else "ddp"
