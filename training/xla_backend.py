@@ -33,6 +33,7 @@ from torch import nn
 from .backend import Backend, load_optimizer_state
 from .checkpoint import fsync_dir
 from .config import ConfigError
+from .data import data_fingerprint
 from .monitor import peak_flops_for
 from .optim import AdamW
 
@@ -87,12 +88,20 @@ def build_mesh(m) -> "xs.Mesh":
         raise ConfigError(f"xla.mesh: the per-slice mesh data x fsdp x tp = {ici[0]} x {ici[1]} x "
                           f"{ici[2]} does not fit the slice's chip topology "
                           f"({' '.join(str(e).split())})") from None
+    return mesh
+
+
+def tp_problem(mesh, m) -> str:
+    """This host's part of the check that every ``tp`` group lies within one host ("" if it
+    does; on TPU only). Each host sees its own devices, so the hosts decide together."""
+    if mesh is None or m.tp == 1 or xr.device_type() != "TPU":
+        return ""
     local = {int(d.split(":")[-1]) for d in torch_xla._XLAC._xla_get_runtime_devices()}
     split = tp_groups_across_hosts(mesh.get_logical_mesh(), local)
-    if split:
-        raise ConfigError(f"xla.mesh.tp={m.tp}: tensor-parallel group of devices {split[0]} spans "
-                          f"hosts (this host has {len(local)} devices); keep tp within one host")
-    return mesh
+    if not split:
+        return ""
+    return (f"xla.mesh.tp={m.tp}: the tensor-parallel group of devices {split[0]} spans hosts "
+            f"({len(local)} devices per host); keep tp within one host")
 
 
 def tp_groups_across_hosts(device_mesh: np.ndarray, local: set[int]) -> list[list[int]]:
@@ -100,6 +109,49 @@ def tp_groups_across_hosts(device_mesh: np.ndarray, local: set[int]) -> list[lis
     with other hosts': every host checks its own, so together they check every group."""
     groups = np.asarray(device_mesh).reshape(-1, np.asarray(device_mesh).shape[-1]).tolist()
     return [g for g in groups if 0 < sum(d in local for d in g) < len(g)]
+
+
+def scan_problem(cfg) -> str:
+    """xla.scan_layers in SPMD needs JAX: torch_xla 2.9's scan shards its backward like its
+    forward with jax's shard_alike (``scan.py``, through ``xb.call_jax``), and fails there."""
+    import importlib.util
+    if not cfg.xla.scan_layers or all(importlib.util.find_spec(m) for m in ("jax", "torchax")):
+        return ""
+    return ("xla.scan_layers=true in xla.mode=spmd needs JAX and torchax (torch_xla's scan shards "
+            "its backward with jax): pip install 'torch_xla[pallas]==2.9.0' torchax==0.0.7, or set "
+            "xla.scan_layers=false")
+
+
+def launch_verdict(entries: list[str], data_dir: str) -> str | None:
+    """The launch decision from every process's ``"<data fingerprint>\n<problem>"``, in rank
+    order: the first problem any process reports, or different data on some, or ``None``."""
+    split = [e.split("\n", 1) + [""] for e in entries]
+    for rank, (_, problem, *_) in enumerate(split):
+        if problem:
+            return f"{problem} (found by process {rank})" if len(entries) > 1 else problem
+    odd = [rank for rank, (digest, *_) in enumerate(split) if digest != split[0][0]]
+    if odd:
+        return (f"data.dir: {data_dir}/meta.json describes other data on process(es) "
+                f"{', '.join(map(str, odd[:8]))} than on process 0: every host must train on the "
+                "same prepared data (copy the directory, or use a shared mount)")
+    return None
+
+
+def _all_gather_text(text: str, size: int = 1024) -> list[str]:
+    """Every process's ``text`` (UTF-8, at most ``size`` bytes), in rank order, over a host-side
+    gloo group (``xla://``: process count and index in SPMD, device ordinals in ddp). No
+    device work, so nothing is compiled."""
+    import torch.distributed as dist
+    import torch_xla.distributed.xla_backend  # noqa: F401  registers xla://
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method="xla://")
+    data = text.encode()[:size]
+    mine = torch.zeros(size, dtype=torch.uint8)
+    mine[:len(data)] = torch.tensor(list(data), dtype=torch.uint8)
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    return [bytes(t.tolist()).rstrip(b"\0").decode(errors="replace") for t in everyone]
 
 
 def param_partition_spec(name: str, p: torch.Tensor) -> tuple | None:
@@ -221,10 +273,13 @@ class XLABackend(Backend):
                                   f"xla.mode=spmd and must divide over xla.mesh data x fsdp = "
                                   f"{m.data} x {m.fsdp} = {shards} devices")
             self.world_size, self.rank, self.is_master = 1, 0, xr.process_index() == 0
+            problem = tp_problem(self.mesh, m) or scan_problem(cfg)
         else:
             self.world_size = xr.world_size()
             self.rank = xr.global_ordinal()
             self.is_master = self.rank == 0  # the global master: one writer across hosts
+            problem = ""
+        self._agree_at_launch(cfg, problem)
         # Cross-process decisions (stop signals) are taken at log intervals: a rendezvous costs
         # a host round trip, which the step never pays.
         self.signal_check_interval = cfg.logging.interval
@@ -233,6 +288,18 @@ class XLABackend(Backend):
         self._host_pending = 0
         self._host_done = threading.Condition()
         self._host_error: BaseException | None = None
+
+    def _agree_at_launch(self, cfg, problem: str) -> None:
+        """The launch checks whose inputs differ between hosts, decided by all processes together
+        before anything compiles: the data (every host's meta.json fingerprint) and this host's
+        share of the mesh check. All refuse with the same one-line error, or none does."""
+        processes = xr.process_count() if self.spmd else self.world_size
+        meta = json.loads((Path(cfg.data.dir).expanduser() / "meta.json").read_text())
+        mine = f"{data_fingerprint(meta)}\n{problem}"
+        entries = [mine] if processes == 1 else _all_gather_text(mine)
+        verdict = launch_verdict(entries, cfg.data.dir)
+        if verdict:
+            raise ConfigError(verdict)
 
     def _init_cache(self, cache: str | None) -> None:
         if not cache:
