@@ -101,6 +101,7 @@ BUDGETS = {
                     # not depend on depth), log steps vs others, compile time per layer, scan on/off
                     graph_settings=[(1, 1), (4, 1), (1, 10), (4, 10)], graph_modes=["ddp", "spmd"],
                     graph_layers=1, log_steps=40, log_interval_steps=5, log_repeats=2,
+                    accum_layers=2, accum_steps=12, accum_batch=2,
                     compile_layers=[2, 8, 28], compile_d_model=64, compile_repeats=2),
     },
     "quick": {
@@ -115,6 +116,7 @@ BUDGETS = {
         "xla": dict(max_steps=8, log_interval=2, overrides=["model.n_layers=1"],
                     graph_settings=[(1, 1), (4, 3)], graph_modes=["ddp"], graph_layers=1,
                     log_steps=12, log_interval_steps=3, log_repeats=1,
+                    accum_layers=1, accum_steps=5, accum_batch=1,
                     compile_layers=[1, 2], compile_d_model=32, compile_repeats=1),
     },
 }
@@ -676,7 +678,7 @@ XLA_FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expens
 
 def xla_at_scale(args, budget: dict) -> dict:
     return {"graphs": xla_graphs(args, budget), "log_steps": xla_log_steps(args, budget),
-            "compile": xla_compile(args, budget)}
+            "accumulation": xla_accumulation(args, budget), "compile": xla_compile(args, budget)}
 
 
 def xla_child(args, what: str, overrides: list[str], env: dict, timeout: float, extra=()) -> dict:
@@ -758,6 +760,28 @@ def xla_log_steps(args, budget: dict) -> dict:
                          "ratio": statistics.median(log_s) / statistics.median(other_s),
                          "transfers_per_line": statistics.median(per_line)}
     return out
+
+
+def xla_accumulation(args, budget: dict) -> dict:
+    """Gradient accumulation three ways (bench/xla.py accumulation): the loop before issue 12,
+    train_xla.py's, and torch_xla's experimental.gradient_accumulation; accumulation 1 and 4,
+    demo shape with ``accum_layers`` blocks and micro-batches of ``accum_batch``. Compilations
+    over the run and the median host time per step after 3 steps."""
+    env = child_env(args.threads, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="1")
+    rows = []
+    for accum in (1, 4):
+        for scheme in ("before", "train_xla", "gradient_accumulation"):
+            print(f"  xla accumulation: {scheme}, {accum} micro-step(s) ...", flush=True)
+            over = [f"model.n_layers={budget['accum_layers']}", f"training.batch_size={budget['accum_batch']}",
+                    f"training.gradient_accumulation_steps={accum}", "xla.mode=ddp", "xla.compile_cache=",
+                    *budget["overrides"]]
+            res = xla_child(args, "accumulation", over, env, args.run_timeout,
+                            extra=["--scheme", scheme, "--steps", str(budget["accum_steps"])])
+            rows.append({"scheme": scheme, "accumulation": accum, "compilations": res["compilations"][-1],
+                         "after_first_step": res["compilations"][-1] - res["compilations"][0],
+                         "step_s": res["step_s"], "first_losses": res["losses"][:3]})
+    return {"n_layers": budget["accum_layers"], "batch": budget["accum_batch"], "steps": budget["accum_steps"],
+            "rows": rows}
 
 
 def xla_compile(args, budget: dict) -> dict:
@@ -1001,6 +1025,15 @@ def render_xla_at_scale(r: dict) -> list[str]:
         x = ls[k]
         L.append(f"| {name} | {_ms(x['log_step_s'])} ms | {_ms(x['other_step_s'])} ms | {x['ratio']:.2f} | "
                  f"{x['transfers_per_line']:g} |")
+    a = r["accumulation"]
+    L += ["", f"Gradient accumulation three ways, demo shape with {a['n_layers']} layer(s), micro-batch "
+              f"{a['batch']}, {a['steps']} steps (compilations include the set-up graph; step time: median host "
+              "time per step after 3 steps):", "",
+          "| scheme | accumulation | compilations | of which after step 1 | step |", "|---|---:|---:|---:|---:|"]
+    names = {"before": "before (gradients from None, no cut)", "train_xla": "train_xla.py (kept buffers, update "
+             "graph)", "gradient_accumulation": "torch_xla gradient_accumulation (While loop)"}
+    L += [f"| {names[x['scheme']]} | {x['accumulation']} | {x['compilations']} | {x['after_first_step']} | "
+          f"{_ms(x['step_s'])} ms |" for x in a["rows"]]
     L += ["", f"The training step's model graph (forward + backward, one micro-batch) by depth, demo shape at "
               f"d_model {c['d_model']}; compile time: median of {c['repeats']} fresh process(es).", "",
           "| layers | unrolled: HLO lines | unrolled: compile | scanned: HLO lines | scanned: compile |",
