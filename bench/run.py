@@ -709,8 +709,9 @@ def xla_graphs(args, budget: dict) -> dict:
             print(f"  xla graphs: {mode}, accumulation {acc}, log interval {li} ...", flush=True)
             env = child_env(args.threads, PJRT_DEVICE="CPU", XLA_FLAGS=XLA_FAST_COMPILE,
                             CPU_NUM_DEVICES="4" if mode == "spmd" else "1")
-            over = [f"training.max_steps={steps}", "training.total_tokens=null", f"logging.interval={li}",
-                    f"training.gradient_accumulation_steps={acc}", f"model.n_layers={budget['graph_layers']}",
+            over = [*budget["overrides"], f"training.max_steps={steps}", "training.total_tokens=null",
+                    f"logging.interval={li}", f"training.gradient_accumulation_steps={acc}",
+                    f"model.n_layers={budget['graph_layers']}",
                     "evaluation.interval=0", "evaluation.steps=2", "xla.compile_cache=", f"xla.mode={mode}"]
             if mode == "spmd":
                 over += ["xla.mesh.data=2", "xla.mesh.fsdp=2"]
@@ -742,10 +743,10 @@ def xla_log_steps(args, budget: dict) -> dict:
             run_dir = args.out / "runs" / f"xla_log_steps_{closures}"
             if run_dir.exists():
                 shutil.rmtree(run_dir)
-            over = [f"training.max_steps={n}", "training.total_tokens=null", f"logging.interval={li}",
-                    "evaluation.interval=0", "evaluation.steps=2", "xla.compile_cache=", "xla.mode=ddp",
-                    f"checkpoint.dir={run_dir}", "checkpoint.interval=0", "checkpoint.resume=none",
-                    "logging.progress_bar=false", "logging.tensorboard=false", *budget["overrides"]]
+            over = [*budget["overrides"], f"training.max_steps={n}", "training.total_tokens=null",
+                    f"logging.interval={li}", "evaluation.interval=0", "evaluation.steps=2", "xla.compile_cache=",
+                    "xla.mode=ddp", f"checkpoint.dir={run_dir}", "checkpoint.interval=0", "checkpoint.resume=none",
+                    "logging.progress_bar=false", "logging.tensorboard=false"]
             runs[closures].append(xla_child(args, "steps", over, env, args.run_timeout,
                                              extra=["--closures", closures]))
     out = {"steps": n, "log_interval": li, "repeats": budget["log_repeats"]}
@@ -772,9 +773,9 @@ def xla_accumulation(args, budget: dict) -> dict:
     for accum in (1, 4):
         for scheme in ("before", "train_xla", "gradient_accumulation"):
             print(f"  xla accumulation: {scheme}, {accum} micro-step(s) ...", flush=True)
-            over = [f"model.n_layers={budget['accum_layers']}", f"training.batch_size={budget['accum_batch']}",
-                    f"training.gradient_accumulation_steps={accum}", "xla.mode=ddp", "xla.compile_cache=",
-                    *budget["overrides"]]
+            over = [*budget["overrides"], f"model.n_layers={budget['accum_layers']}",
+                    f"training.batch_size={budget['accum_batch']}",
+                    f"training.gradient_accumulation_steps={accum}", "xla.mode=ddp", "xla.compile_cache="]
             res = xla_child(args, "accumulation", over, env, args.run_timeout,
                             extra=["--scheme", scheme, "--steps", str(budget["accum_steps"])])
             rows.append({"scheme": scheme, "accumulation": accum, "compilations": res["compilations"][-1],
@@ -796,8 +797,8 @@ def xla_compile(args, budget: dict) -> dict:
             for scan in (False, True):
                 print(f"  xla compile: {layers} layers, {'scanned' if scan else 'unrolled'} (round {rep + 1}) ...",
                       flush=True)
-                over = [f"model.n_layers={layers}", f"model.d_model={d}", "xla.mode=ddp", "xla.compile_cache=",
-                        f"xla.scan_layers={'true' if scan else 'false'}", *budget["overrides"]]
+                over = [*budget["overrides"], f"model.n_layers={layers}", f"model.d_model={d}", "xla.mode=ddp",
+                        "xla.compile_cache=", f"xla.scan_layers={'true' if scan else 'false'}"]
                 samples.setdefault((layers, scan), []).append(
                     xla_child(args, "compile", over, env, args.run_timeout))
     rows = []
