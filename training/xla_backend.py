@@ -9,8 +9,13 @@ Two modes (``xla.mode``):
   sharded FSDP-style over ``fsdp`` and tensor-parallel over ``tp``; the batch is sharded over
   ``data`` and ``fsdp``; XLA's SPMD partitioner inserts the collectives. ``batch_size`` is global.
 
-Host syncs happen only in step closures at log intervals; values are copied with ``.cpu()`` (a
-transfer), never ``.item()`` on a device tensor (which would show up as an ``aten::`` fallback).
+Every step traces two graphs whatever the accumulation and the log interval (the micro-step and
+the update); the device loader's sync ends each micro-step. A log line's values reach the host as
+one vector, copied with ``.cpu()`` (one transfer, never ``.item()``, which would show up as an
+``aten::`` fallback) in an asynchronous step closure: the loop does not wait for it.
+
+Set-up checks (the mesh, the SPMD batch, the data every host has) refuse a launch with one line
+before anything compiles, decided by all hosts together.
 """
 from __future__ import annotations
 
