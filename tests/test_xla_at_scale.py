@@ -91,6 +91,19 @@ for name, over in {"batch": ["training.batch_size=6", "xla.mesh.data=2", "xla.me
     except ConfigError as e:
         errors[name] = str(e)
 out["errors"] = errors
+# log lines run off the loop's thread, in order; an error there reaches the loop at wait_host
+import threading, torch, torch_xla
+backend = XLABackend(load_config(sys.argv[1], ["xla.mode=spmd", "xla.mesh.data=4"]))
+seen = []
+backend.on_host(lambda numbers, tag: seen.append([numbers, tag, threading.current_thread() is
+                                                  threading.main_thread()]), torch.arange(3.0).to(backend.device) * 2, "x")
+backend.on_host(lambda numbers: 1 / 0, torch.ones(1).to(backend.device))
+torch_xla.sync()
+try:
+    backend.wait_host()
+except ZeroDivisionError:
+    out["raised"] = True
+out["seen"] = seen
 print("REPORT " + json.dumps(out))
 """
 
@@ -113,6 +126,7 @@ def test_launch_checks_refuse_in_one_line_before_compiling(tmp_path, stdlib_data
     assert e["dcn"].startswith("xla.mesh.dcn_data=2: multi-slice meshes need TPU slices")
     assert e["devices"] == "xla.mesh: data x fsdp x tp = 1 x 3 x 1 = 3, but there are 4 devices"
     assert all("\n" not in v for v in e.values())
+    assert out["seen"] == [[[0.0, 2.0, 4.0], "x", False]] and out.get("raised")
     # and from the command line: exit 2, one line, no traceback, nothing compiled
     r = run(["train_xla.py", str(cfg), "xla.mode=spmd", "xla.mesh.data=4", "training.batch_size=6"], env=SPMD)
     assert r.returncode == 2 and "Traceback" not in r.stderr
