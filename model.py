@@ -729,6 +729,9 @@ class NashMHC(nn.Module):
         self.register_buffer("rope_sin", torch.empty(cfg.max_seq_len, cfg.head_dim // 2), persistent=False)
         # The XLA backend may swap in torch_xla's own checkpoint; used only when training with grad.
         self.checkpoint_fn = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
+        # The XLA backend may run all blocks as one compiled loop body (torch_xla's scan):
+        # blocks_fn(blocks, h, cos, sin, checkpoint) -> (h, the blocks' mean stats).
+        self.blocks_fn = None
         names = []
         if cfg.nash_scales > 1:
             names += ["nash_entropy"] + [f"nash_w{l}" for l in range(cfg.nash_scales)]
@@ -780,13 +783,17 @@ class NashMHC(nn.Module):
         if cfg.mhc_streams > 1:
             h = h.unsqueeze(2).expand(B, Tp, cfg.mhc_streams, cfg.d_model).to(STREAM_DTYPES[cfg.stream_dtype]).contiguous()
         checkpoint = cfg.activation_checkpointing and self.training and torch.is_grad_enabled()
-        stats = []
-        for block in self.blocks:
-            h, s = self.checkpoint_fn(block, h, cos, sin) if checkpoint else block(h, cos, sin)
-            stats.append(s)
+        if self.blocks_fn is not None:
+            h, stats = self.blocks_fn(self.blocks, h, cos, sin, checkpoint)
+        else:
+            stats = []
+            for block in self.blocks:
+                h, s = self.checkpoint_fn(block, h, cos, sin) if checkpoint else block(h, cos, sin)
+                stats.append(s)
+            stats = torch.stack(stats).mean(dim=0)
         if self.mhc_out is not None:
             h = self.mhc_out(h)
-        return self.norm(h[:, :T]), torch.stack(stats).mean(dim=0)
+        return self.norm(h[:, :T]), stats
 
     def forward(self, idx, targets=None) -> ModelOutput:
         x, stats = self.trunk(idx)
