@@ -27,9 +27,9 @@ in the machine's load hits them alike: the median over --repeats rounds after --
 wall time and as the process's CPU time. "x baseline" divides by the baseline measured in the same
 process. The component split: mhc-only and nash-only against the baseline.
 
-HLO lines per layer (xla): the HLO text of one training step (torch_xla's _get_xla_tensors_hlo on
-the loss and gradients: "fwd+bwd"; on the loss, updated parameters and optimiser state: "step") at
-1 and at 2 layers; the difference is what one more block adds to the graph XLA compiles.
+HLO lines per layer (with the xla backend, or --hlo-only): bench/xla.py's ``compile`` (the training
+step's model graph, forward + backward, as the XLA backend builds it, unrolled) in a fresh process
+at 1 and at 2 layers; the difference is what one more block adds to the graph XLA compiles.
 
 Memory (eager): each variant again in a fresh process that runs one warm-up step (forward and
 backward), resets the kernel's resident-set high-water mark (/proc/self/clear_refs) and runs one
@@ -171,6 +171,14 @@ def torch_step(args, variant: str, compiled: bool):
     return step, model.num_params()
 
 
+def bare_data_dir() -> str:
+    """A data directory with an empty meta.json: the XLA backend checks at start that every host has
+    the same data (a fingerprint of meta.json); these measurements read no data."""
+    path = tempfile.mkdtemp(prefix="bench-model-data-")
+    Path(path, "meta.json").write_text("{}")
+    return path
+
+
 class XLAStepBuilder:
     """The train_xla.py training step of a variant on PJRT CPU (torch_xla through the XLA backend)."""
 
@@ -180,6 +188,7 @@ class XLAStepBuilder:
 
         self.cfg = Config()
         self.cfg.xla.compile_cache = None
+        self.cfg.data.dir = bare_data_dir()
         self.backend = XLABackend(self.cfg)
 
     def build(self, mcfg):
@@ -218,33 +227,48 @@ class XLAStepBuilder:
         return step, model.num_params()
 
 
-def hlo_lines(builder: XLAStepBuilder, args, variant: str, n_layers: int) -> dict:
-    """Lines of HLO text of one training step at ``n_layers``: fwd+bwd (loss and gradients) and the
-    whole step (loss, updated parameters and optimiser state). Traced only, never compiled or run."""
-    import torch
-    import torch_xla  # bench only: the HLO text of a traced graph has no public API outside torch_xla
+def xla_overrides(args, variant: str, n_layers: int) -> list[str]:
+    """``section.key=value`` overrides that give bench/xla.py's ``compile`` this variant's model at
+    ``n_layers`` and this batch, unrolled, fp32, one device."""
+    import dataclasses
 
-    model, opt, _, _ = builder.build(make_config(args, variant, n_layers=n_layers))
-    dev = builder.backend.device
-    idx = torch.randint(0, args.vocab, (args.batch, args.seq)).to(dev)
-    tgt = torch.randint(0, args.vocab, (args.batch, args.seq)).to(dev)
-    loss = model(idx, tgt).loss
-    loss.backward()
-    params = [p for p in model.parameters()]
-    text = torch_xla._XLAC._get_xla_tensors_hlo([loss] + [p.grad for p in params if p.grad is not None])
-    fb = len(text.splitlines())
-    opt.step()
-    state = [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
-    step = len(torch_xla._XLAC._get_xla_tensors_hlo([loss] + params + state).splitlines())
-    del model, opt, loss, params, state   # the traced graph is dropped, never executed
-    return {"fwd_bwd": fb, "step": step}
+    mcfg = make_config(args, variant, n_layers=n_layers)
+    fields = dataclasses.asdict(mcfg)
+    if not args.stream_dtype:
+        fields.pop("stream_dtype", None)   # the default; a checkout from before the key has no such key
+    over = [f"model.{k}={json.dumps(v)}" for k, v in fields.items()]
+    return over + [f"data.dir={args.data_dir}", f"data.seq_len={args.seq}", f"training.batch_size={args.batch}", "training.precision=fp32",
+                   "xla.mode=ddp", "xla.scan_layers=false", "xla.compile_cache="]
 
 
-def hlo_per_layer(builder: XLAStepBuilder, args) -> dict:
+def hlo_per_layer(args) -> dict:
+    """HLO lines of the training step's model graph (forward + backward, bench/xla.py ``compile``,
+    each in a fresh process) at 1 and 2 layers; per layer = the difference. ``--hlo-root`` also
+    runs the bench/xla.py of another checkout (e.g. ``git worktree add /tmp/before main``) with
+    the same overrides, side by side, for a before/after comparison."""
+    roots = {"": ROOT}
+    if args.hlo_root:
+        roots["before"] = Path(args.hlo_root).resolve()
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "1",
+           "TF_CPP_MIN_LOG_LEVEL": "3"}
     out = {}
-    for v in args.variants:
-        one, two = hlo_lines(builder, args, v, 1), hlo_lines(builder, args, v, 2)
-        out[v] = {"one_layer": one, "two_layers": two, "per_layer": {k: two[k] - one[k] for k in one}}
+    args.data_dir = bare_data_dir()
+    for tag, root in roots.items():
+        for v in args.variants:
+            lines = {}
+            for n in (1, 2):
+                cmd = [sys.executable, str(root / "bench" / "xla.py"), "compile", str(root / "configs" / "demo.yaml"),
+                       *xla_overrides(args, v, n)]
+                r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=root)
+                res = [s for s in r.stdout.splitlines() if s.startswith("RESULT ")]
+                if r.returncode != 0 or not res:
+                    tail = (r.stderr.strip().splitlines() or ["no output"])[-1]
+                    raise RuntimeError(f"bench/xla.py compile ({root}, {v}, {n} layers) failed: {tail}")
+                lines[n] = json.loads(res[-1][len("RESULT "):])
+            name = f"{v} ({tag})" if tag else v
+            out[name] = {"one_layer": lines[1]["hlo_lines"], "two_layers": lines[2]["hlo_lines"],
+                         "per_layer": lines[2]["hlo_lines"] - lines[1]["hlo_lines"],
+                         "compile_s": [lines[1]["compile_s"], lines[2]["compile_s"]]}
     return out
 
 
@@ -255,10 +279,6 @@ def backend_worker(args) -> dict:
     torch.set_num_threads(args.threads)
     out: dict = {"backend": args.worker, "threads": args.threads}
     builder = XLAStepBuilder() if args.worker == "xla" else None
-    if builder is not None:
-        out["hlo"] = hlo_per_layer(builder, args)
-        if args.hlo_only:
-            return out
 
     def make(variant, a=args):
         if builder is not None:
@@ -345,8 +365,6 @@ def forwarded(args) -> list[str]:
         out.append(f"--stream-dtype={args.stream_dtype}")
     if args.tuned_malloc:
         out.append("--tuned-malloc")
-    if args.hlo_only:
-        out.append("--hlo-only")
     return out
 
 
@@ -413,18 +431,17 @@ def render(args, report: dict) -> str:
                 nash = f"{res['nash-mhc']['wall_s'] * 1e3:.0f} ms" if "nash-mhc" in res else ""
                 L.append(f"| {b} | {ref['wall_s'] * 1e3:.0f} ms | {nash} | {cell('nash-mhc')} | {cell('mhc-only')} | "
                          f"{cell('nash-only')} | {cell('nash-mhc', 'warmup_s')} |")
-    hlo = report["backends"].get("xla", {}).get("hlo")
+    hlo = report.get("hlo")
     if hlo:
-        ref = hlo.get("baseline", {}).get("per_layer")
-        L += ["", "HLO lines of one training step on PJRT CPU (per layer = 2 layers - 1 layer):", "",
-              "| variant | fwd+bwd, 1 layer | per layer | x baseline | step, 1 layer | per layer | x baseline |",
-              "|---|---:|---:|---:|---:|---:|---:|"]
+        L += ["", "HLO lines of the training step's model graph (forward + backward, bench/xla.py compile) on "
+              "PJRT CPU; per layer = 2 layers - 1 layer; x baseline = per layer over the baseline's of the same "
+              "checkout:", "",
+              "| variant | 1 layer | 2 layers | per layer | x baseline |", "|---|---:|---:|---:|---:|"]
         for v, x in hlo.items():
-            p = x["per_layer"]
-            rf = f"{p['fwd_bwd'] / ref['fwd_bwd']:.2f}" if ref else "-"
-            rs = f"{p['step'] / ref['step']:.2f}" if ref else "-"
-            L.append(f"| {v} | {x['one_layer']['fwd_bwd']:,} | {p['fwd_bwd']:,} | {rf} | {x['one_layer']['step']:,} | "
-                     f"{p['step']:,} | {rs} |")
+            tag = v[len(v.split(" ")[0]):]
+            ref = hlo.get("baseline" + tag)
+            ratio = f"{x['per_layer'] / ref['per_layer']:.2f}x" if ref else "-"
+            L.append(f"| {v} | {x['one_layer']:,} | {x['two_layers']:,} | {x['per_layer']:,} | {ratio} |")
     return "\n".join(L)
 
 
@@ -448,7 +465,9 @@ def main(argv=None) -> int:
     p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
                    help="comma-separated, from: " + ", ".join(VARIANTS))
     p.add_argument("--no-memory", action="store_true", help="skip the per-variant memory processes (eager)")
-    p.add_argument("--hlo-only", action="store_true", help="xla: HLO lines per layer only, no timing")
+    p.add_argument("--hlo-only", action="store_true", help="HLO lines per layer only (no timing)")
+    p.add_argument("--hlo-root", metavar="DIR", help="also count HLO lines with DIR's bench/xla.py and model "
+                   "(another checkout of the project), side by side: before/after")
     p.add_argument("--tuned-malloc", action="store_true",
                    help="time with glibc malloc keeping freed memory (see tune_glibc_malloc)")
     p.add_argument("--profile", action="store_true", help="also print torch.profiler's top ops for eager nash-mhc")
@@ -491,10 +510,13 @@ def main(argv=None) -> int:
 
     load0 = os.getloadavg()[0]
     report = {"args": {k: v for k, v in vars(args).items() if k not in ("worker", "memory_worker")}, "backends": {}}
-    for b in backends:
+    if "xla" in backends or args.hlo_only:
+        print("  xla HLO lines per layer ...", file=sys.stderr, flush=True)
+        report["hlo"] = hlo_per_layer(args)
+    for b in ([] if args.hlo_only else backends):
         print(f"  {b} ...", file=sys.stderr, flush=True)
         report["backends"][b] = run_backend(args, b)
-        if b == "eager" and not args.no_memory and not args.hlo_only:
+        if b == "eager" and not args.no_memory:
             for v in args.variants:
                 report["backends"][b]["results"][v].update(measure_memory(args, v))
     report["load"] = [load0, os.getloadavg()[0]]
