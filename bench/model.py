@@ -4,7 +4,7 @@ XLA graph size per layer, and peak memory.
     .venv/bin/python bench/model.py                                   # issue 13's shape, every backend
     .venv/bin/python bench/model.py --d-model 768 --n-heads 12 --n-kv-heads 12   # the small_gpu width
     .venv/bin/python bench/model.py --backends eager --profile --json out.json
-    .venv/bin/python bench/model.py --backends xla --hlo-only         # HLO lines per layer, no timing
+    .venv/bin/python bench/model.py --hlo-only --variants baseline,nash-mhc   # HLO lines per layer, no timing
 
 Variants (same width and depth; max_seq_len = --seq):
   baseline         mhc_streams 1, nash_scales 1, no window: the plain pre-norm transformer
@@ -27,7 +27,7 @@ in the machine's load hits them alike: the median over --repeats rounds after --
 wall time and as the process's CPU time. "x baseline" divides by the baseline measured in the same
 process. The component split: mhc-only and nash-only against the baseline.
 
-HLO lines per layer (with the xla backend, or --hlo-only): bench/xla.py's ``compile`` (the training
+HLO lines per layer (--hlo, --hlo-only): bench/xla.py's ``compile`` (the training
 step's model graph, forward + backward, as the XLA backend builds it, unrolled) in a fresh process
 at 1 and at 2 layers; the difference is what one more block adds to the graph XLA compiles.
 
@@ -465,6 +465,7 @@ def main(argv=None) -> int:
     p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
                    help="comma-separated, from: " + ", ".join(VARIANTS))
     p.add_argument("--no-memory", action="store_true", help="skip the per-variant memory processes (eager)")
+    p.add_argument("--hlo", action="store_true", help="also count HLO lines per layer (PJRT CPU)")
     p.add_argument("--hlo-only", action="store_true", help="HLO lines per layer only (no timing)")
     p.add_argument("--hlo-root", metavar="DIR", help="also count HLO lines with DIR's bench/xla.py and model "
                    "(another checkout of the project), side by side: before/after")
@@ -510,7 +511,7 @@ def main(argv=None) -> int:
 
     load0 = os.getloadavg()[0]
     report = {"args": {k: v for k, v in vars(args).items() if k not in ("worker", "memory_worker")}, "backends": {}}
-    if "xla" in backends or args.hlo_only:
+    if args.hlo or args.hlo_only:
         print("  xla HLO lines per layer ...", file=sys.stderr, flush=True)
         report["hlo"] = hlo_per_layer(args)
     for b in ([] if args.hlo_only else backends):
