@@ -324,6 +324,65 @@ def run_backend(args, backend: str) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------
+# model.stream_dtype: its effect on the loss, measured.
+
+def stdlib_bytes_tokens(limit: int = 4_000_000):
+    """Byte-level tokens (vocab 256) of the Python standard library's source: the demo's corpus
+    without a trained tokenizer, so the comparison needs no prepared data."""
+    import torch
+
+    lib, buf = Path(os.__file__).parent, bytearray()
+    for path in sorted(lib.glob("*.py")):
+        buf += path.read_bytes()
+        if len(buf) >= limit:
+            break
+    return torch.frombuffer(buf[:limit], dtype=torch.uint8).long()
+
+
+def stream_dtype_loss(args) -> dict:
+    """The demo model's shape (d_model 128, 4 layers, 4 heads / 2 kv, window 64, seq 256, batch 8,
+    AdamW at 3e-3 with the demo's warm-up and cosine schedule) trained for ``--loss-steps`` steps in
+    eager PyTorch, once with fp32 and once with bf16 streams: same seed, same initial weights,
+    same batches. Training loss (mean of the last 10 steps) and the loss on 16 held-out windows."""
+    import torch
+    from model import ModelConfig, NashMHC
+    from training.backend import TorchBackend
+    from training.config import TrainingConfig
+    from training.optim import build_optimizer, lr_at, set_lr
+
+    torch.set_num_threads(args.threads)
+    tokens = stdlib_bytes_tokens()
+    seq, batch, steps = 256, 8, args.loss_steps
+    split = int(len(tokens) * 0.9)
+    val = torch.stack([tokens[split + i * (seq + 1): split + (i + 1) * (seq + 1)] for i in range(16)])
+    out = {}
+    for dtype in ("fp32", "bf16"):
+        torch.manual_seed(0)
+        model = NashMHC(ModelConfig(vocab_size=256, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2,
+                                    max_seq_len=seq, nash_window=64, stream_dtype=dtype))
+        tcfg = TrainingConfig(learning_rate=3e-3, weight_decay=0.1)
+        opt = build_optimizer(model, tcfg, TorchBackend("cpu").adamw_factory())
+        g = torch.Generator().manual_seed(1)
+        losses, t0 = [], time.perf_counter()
+        for step in range(steps):
+            set_lr(opt, lr_at(step, steps, 1.0, 30, 0.1))
+            starts = torch.randint(0, split - seq - 1, (batch,), generator=g)
+            w = torch.stack([tokens[i: i + seq + 1] for i in starts.tolist()])
+            loss = model(w[:, :-1], w[:, 1:]).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        model.eval()
+        with torch.no_grad():
+            val_loss = model(val[:, :-1], val[:, 1:]).loss.item()
+        out[dtype] = {"train_loss_last10": statistics.mean(losses[-10:]), "val_loss": val_loss,
+                      "first_loss": losses[0], "seconds": time.perf_counter() - t0, "losses": losses}
+    return {"steps": steps, "seq": seq, "batch": batch, "results": out}
+
+
+# ----------------------------------------------------------------------------------------------
 # Memory (eager), in fresh processes.
 
 def memory_worker(args) -> None:
@@ -465,6 +524,8 @@ def main(argv=None) -> int:
     p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
                    help="comma-separated, from: " + ", ".join(VARIANTS))
     p.add_argument("--no-memory", action="store_true", help="skip the per-variant memory processes (eager)")
+    p.add_argument("--loss-steps", type=int, default=0, metavar="N",
+                   help="only compare model.stream_dtype fp32 and bf16: N training steps of the demo-shaped model")
     p.add_argument("--hlo", action="store_true", help="also count HLO lines per layer (PJRT CPU)")
     p.add_argument("--hlo-only", action="store_true", help="HLO lines per layer only (no timing)")
     p.add_argument("--hlo-root", metavar="DIR", help="also count HLO lines with DIR's bench/xla.py and model "
@@ -510,6 +571,18 @@ def main(argv=None) -> int:
         return 0
 
     load0 = os.getloadavg()[0]
+    if args.loss_steps:
+        res = stream_dtype_loss(args)
+        print(f"model.stream_dtype, {res['steps']} training steps of the demo-shaped model (eager, batch "
+              f"{res['batch']} x seq {res['seq']}, byte-level stdlib source); load average {load0:.2f} -> "
+              f"{os.getloadavg()[0]:.2f}\n\n| stream_dtype | first loss | train loss (last 10) | held-out loss | time |\n"
+              "|---|---:|---:|---:|---:|")
+        for k, r in res["results"].items():
+            print(f"| {k} | {r['first_loss']:.4f} | {r['train_loss_last10']:.4f} | {r['val_loss']:.4f} | "
+                  f"{r['seconds']:.0f} s |")
+        if args.json:
+            write_json(args.json, res)
+        return 0
     report = {"args": {k: v for k, v in vars(args).items() if k not in ("worker", "memory_worker")}, "backends": {}}
     if args.hlo or args.hlo_only:
         print("  xla HLO lines per layer ...", file=sys.stderr, flush=True)
