@@ -175,7 +175,7 @@ class ModelOutput:
 # ----------------------------------------------------------------------------------------------
 # Sinkhorn-Knopp and the Nash equilibrium: the two pieces of maths, as plain functions.
 
-def sinkhorn_knopp(logits: torch.Tensor, iters: int = 20, eps: float = 1e-6) -> torch.Tensor:
+def sinkhorn_knopp(logits: torch.Tensor, iters: int = 20, eps: float = 1e-6, iterate=None) -> torch.Tensor:
     """Doubly-stochastic matrices from logits ``[..., n, n]``, in fp32 whatever the input dtype.
 
     Start from the positive matrix ``softmax(logits) + eps`` (row-wise softmax: finite for ±1e4
@@ -186,6 +186,10 @@ def sinkhorn_knopp(logits: torch.Tensor, iters: int = 20, eps: float = 1e-6) -> 
     result exact: the orthogonal projection onto {rows and columns sum to 1} (it adds
     ``(1-r_i)/n + (1-c_j)/n - (n-S)/n^2``, a no-op once the iterations converged), then, only if
     that made an entry negative, the smallest mix with the uniform matrix J/n that is non-negative.
+
+    ``iterate(p, iters, eps)`` runs the iterations (default: ``_SinkhornIterations``); a backend
+    may give the same maths in another form (the XLA backend: one compiled loop, not 2 x iters
+    unrolled steps and their backward).
     """
     with torch.autocast(device_type=logits.device.type, enabled=False):
         shape, n = logits.shape, logits.shape[-1]
@@ -193,7 +197,7 @@ def sinkhorn_knopp(logits: torch.Tensor, iters: int = 20, eps: float = 1e-6) -> 
         z = logits.float().reshape(-1, n, n).permute(1, 2, 0).contiguous()      # [n, n, N]
         p = torch.softmax(z, dim=1) + eps  # rows: dim 1
         if iters > 0:
-            p = _SinkhornIterations.apply(p, iters, eps)
+            p = iterate(p, iters, eps) if iterate is not None else _SinkhornIterations.apply(p, iters, eps)
         rows = p.sum(dim=1, keepdim=True)
         cols = p.sum(dim=0, keepdim=True)
         total = rows.sum(dim=0, keepdim=True)
@@ -607,6 +611,7 @@ class HyperConnection(nn.Module):
         self.b_pre = nn.Parameter(torch.empty(n))
         self.b_post = nn.Parameter(torch.empty(n))
         self.b_res = nn.Parameter(torch.empty(self.n_res))      # flat: every no-decay parameter is < 2-D
+        self.sinkhorn_iterate = None   # sinkhorn_knopp's ``iterate``: the XLA backend may set it
         if self.lite:
             self.register_buffer("perms", torch.empty(self.n_res, n, n), persistent=False)
 
@@ -638,7 +643,7 @@ class HyperConnection(nn.Module):
             if self.lite:
                 h_res = torch.einsum("btk,kij->btij", torch.softmax(res, dim=-1), self.perms.float())
             else:
-                h_res = sinkhorn_knopp(res.unflatten(-1, (n, n)), self.iters)
+                h_res = sinkhorn_knopp(res.unflatten(-1, (n, n)), self.iters, iterate=self.sinkhorn_iterate)
         return h_pre, h_post, h_res
 
     def read(self, h):

@@ -34,6 +34,8 @@ configs = {
                       activation_checkpointing=True), (False, True)),
     "lite-convex": (dict(nash_window=0, nash_scales=4, nash_compression=2, mhc_lite=True,
                          aggregation="convex"), (False,)),
+    # the XLA backend's Sinkhorn as one loop (training.xla_backend.SinkhornLoop), against eager CPU
+    "sinkhorn-loop": (dict(nash_window=8, nash_scales=3, nash_compression=2), (False,)),
 }
 for name, (kw, precisions) in configs.items():
     cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, max_seq_len=64,
@@ -47,6 +49,11 @@ for name, (kw, precisions) in configs.items():
     model.zero_grad(set_to_none=True)
     model.to(dev)
     model.checkpoint_fn = xla_checkpoint.checkpoint   # what the XLA backend may use
+    if name == "sinkhorn-loop":
+        from training.xla_backend import SinkhornLoop
+        for m in model.modules():
+            if hasattr(m, "sinkhorn_iterate"):
+                m.sinkhorn_iterate = SinkhornLoop()
     r = {"tied": model.lm_head.weight is model.tok_emb.weight}
     for amp in precisions:
         met.clear_all()
@@ -83,7 +90,7 @@ def report():
     return json.loads(lines[-1][len("REPORT "):])
 
 
-@pytest.mark.parametrize("name", ["nash-mhc", "lite-convex"])
+@pytest.mark.parametrize("name", ["nash-mhc", "lite-convex", "sinkhorn-loop"])
 def test_forward_backward_without_fallbacks_matches_cpu(report, name):
     r = report[name]
     assert r["tied"]  # moving to the XLA device keeps lm_head tied to tok_emb

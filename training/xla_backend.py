@@ -237,6 +237,30 @@ class ScanBlocks:
         return carry[0], carry[1] / n
 
 
+class SinkhornLoop:
+    """``HyperConnection.sinkhorn_iterate`` on XLA: Sinkhorn-Knopp's ``iters`` rounds of row then
+    column normalisation as one XLA While loop (torch_xla's ``scan``; its backward, from autograd
+    of one round, is a second loop), where the model's own form is 2 x ``iters`` unrolled
+    normalisations and as many backward steps: about half of a Nash-MHC layer's HLO. The same
+    maths as ``model._SinkhornIterations``: each step ``p / (sum(p) + eps)`` over the normalised
+    dim (tests/test_model_xla.py compares the two)."""
+
+    _bodies: dict[float, Callable] = {}
+
+    def __call__(self, p: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+        from torch_xla.experimental.scan import scan
+
+        body = self._bodies.get(eps)
+        if body is None:   # one function object per eps: scan's trace cache is keyed on it
+
+            def body(q, _):
+                q = q / (q.sum(dim=1, keepdim=True) + eps)    # rows (p is [n, n, N], rows on dim 1)
+                return q / (q.sum(dim=0, keepdim=True) + eps), None
+
+            self._bodies[eps] = body
+        return scan(body, p, p.new_zeros(iters), is_fn_pure=True)[0]
+
+
 class _DeviceBatches:
     """Batches uploaded to the device by a background thread: torch_xla's ``ParallelLoader``, as
     ``MpDeviceLoader`` uses it, with a ``close`` that stops the prefetching."""
@@ -328,6 +352,11 @@ class XLABackend(Backend):
             model.checkpoint_fn = xcp.checkpoint
         if cfg.xla.scan_layers:
             model.blocks_fn = ScanBlocks(len(model.stat_names))
+        else:   # (in a scanned block the layer's graph exists once: its Sinkhorn stays unrolled)
+            loop = SinkhornLoop()
+            for m in model.modules():
+                if hasattr(m, "sinkhorn_iterate"):
+                    m.sinkhorn_iterate = loop
         model = model.to(self.device)  # NashMHC._apply re-ties the embedding and LM head on XLA
         assert not cfg.model.tie_embeddings or model.lm_head.weight is model.tok_emb.weight
         if self.spmd:
