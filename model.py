@@ -71,6 +71,9 @@ class ModelConfig:
     nash_pool: Literal["mean", "learned"] = _help("how a block of keys/values is compressed", "mean")
     aggregation: Literal["nash", "convex", "mean"] = _help("how the scale outputs are fused", "nash")
     activation_checkpointing: bool = _help("recompute each block in the backward pass", False)
+    loss_chunk: int = _help("tokens per cross-entropy chunk (0: all at once): the [tokens, vocab] logits "
+                            "are made and dropped a chunk at a time, and recomputed in the backward pass "
+                            "(+1/3 of the LM head's FLOPs); forward returns no logits with targets", 0)
 
     def __post_init__(self):
         hints = typing.get_type_hints(type(self))
@@ -97,6 +100,7 @@ class ModelConfig:
              f"mhc_lite=true needs mhc_streams <= 6 (it mixes all n! permutations), got {self.mhc_streams}")
         need(self.nash_compression >= 2, f"nash_compression={self.nash_compression} must be at least 2")
         need(self.nash_window >= 0, f"nash_window={self.nash_window} must be 0 (no window) or positive")
+        need(self.loss_chunk >= 0, f"loss_chunk={self.loss_chunk} must be 0 (no chunks) or positive")
         need(self.max_seq_len % self.coarsest_block == 0,
              f"max_seq_len={self.max_seq_len} is not a multiple of the coarsest block "
              f"nash_compression**(nash_scales-1)={self.coarsest_block}")
@@ -163,7 +167,7 @@ def _checked(name: str, value, tp):
 
 @dataclass
 class ModelOutput:
-    logits: torch.Tensor                 # [B, T, vocab]
+    logits: Optional[torch.Tensor]       # [B, T, vocab]; None when the loss was computed in chunks
     loss: Optional[torch.Tensor]         # mean cross-entropy over targets != -1, or None
     metrics: dict[str, torch.Tensor]     # detached scalars
 
@@ -735,14 +739,31 @@ class NashMHC(nn.Module):
         return self.norm(h[:, :T]), torch.stack(stats).mean(dim=0)
 
     def forward(self, idx, targets=None) -> ModelOutput:
+        if targets is not None and targets.shape != idx.shape:
+            raise ValueError(f"targets shape {tuple(targets.shape)} differs from idx shape {tuple(idx.shape)}")
         x, stats = self.trunk(idx)
+        if targets is not None and self.config.loss_chunk:
+            loss = self._chunked_loss(x.flatten(0, 1), targets.flatten())
+            return ModelOutput(None, loss, self._metrics(stats))
         logits = self.lm_head(x)
         loss = None
         if targets is not None:
-            if targets.shape != idx.shape:
-                raise ValueError(f"targets shape {tuple(targets.shape)} differs from idx shape {tuple(idx.shape)}")
             loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-1)
         return ModelOutput(logits, loss, self._metrics(stats))
+
+    def _chunked_loss(self, x, targets):
+        """The mean cross-entropy over targets != -1 of ``x [N, C]``, ``loss_chunk`` tokens at a
+        time: each chunk's logits (and their fp32 copy, log-probabilities and gradient) exist only
+        while that chunk is computed, its forward again in the backward pass (checkpointed)."""
+        def chunk_loss(xc, weight, tc):  # summed, so that chunks of any size add up to the mean
+            return F.cross_entropy(F.linear(xc, weight).float(), tc, ignore_index=-1, reduction="sum")
+
+        recompute = self.training and torch.is_grad_enabled()
+        total = x.new_zeros((), dtype=torch.float32)
+        for xc, tc in zip(x.split(self.config.loss_chunk), targets.split(self.config.loss_chunk)):
+            args = (chunk_loss, xc, self.lm_head.weight, tc)
+            total = total + (self.checkpoint_fn(*args) if recompute else args[0](*args[1:]))
+        return total / (targets != -1).sum()
 
     def _metrics(self, stats):
         metrics = {name: stats[i] for i, name in enumerate(self.stat_names)}

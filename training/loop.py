@@ -109,7 +109,8 @@ def check_resume_compatible(cfg: Config, ckpt: dict, path: Path) -> None:
     if saved != cfg.model:
         diff = [f"model.{k}: {getattr(saved, k)!r} -> {getattr(cfg.model, k)!r}"
                 for k in cfg.model.__dataclass_fields__ if getattr(saved, k) != getattr(cfg.model, k)]
-        structural = [d for d in diff if not d.startswith(("model.dropout", "model.activation_checkpointing"))]
+        structural = [d for d in diff if not d.startswith(("model.dropout", "model.activation_checkpointing",
+                                                           "model.loss_chunk"))]
         if structural:
             raise CheckpointError(f"{path}: model config differs from the checkpoint's ({'; '.join(structural)})")
 
@@ -281,6 +282,7 @@ def train(cfg: Config, backend: Backend) -> int:
                 with backend.no_sync(train_model, last_micro_step=micro == accum - 1):
                     with backend.autocast(amp_dtype):
                         out = train_model(x, y)
+                    out.logits = None  # [batch, seq, vocab], unused: free it now (and keep it out of XLA's outputs)
                     (out.loss / accum).backward()
                 micro_losses.append(out.loss.detach().float())
             backend.reduce_gradients(optimizer)
