@@ -123,6 +123,9 @@ class XLAConfig:
         default="ddp")
     mesh: MeshConfig = field(default_factory=MeshConfig,
                              metadata={"help": "SPMD mesh; data x fsdp x tp must equal the device count"})
+    shard_optimizer_over_data: bool = _help(
+        "spmd: shard gradients and optimiser state over data x fsdp (ZeRO-2) instead of replicating "
+        "them over data: 1/data of their memory for the same traffic", default=True)
     compile_cache: Optional[str] = _help(
         "persistent XLA compilation cache directory (one subdirectory per process); empty disables",
         default="~/.cache/nash_mhc/xla")

@@ -14,6 +14,7 @@ transfer), never ``.item()`` on a device tensor (which would show up as an ``ate
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 from pathlib import Path
@@ -32,11 +33,7 @@ from .backend import Backend, load_optimizer_state
 from .checkpoint import fsync_dir
 from .monitor import peak_flops_for
 from .optim import AdamW
-
-# Column-parallel projections (output features split over tp) and row-parallel ones (input
-# features split over tp), by module name (model.py's naming contract).
-COLUMN_PARALLEL = ("wq", "wk", "wv", "w1", "w3")
-ROW_PARALLEL = ("wo", "w2")
+from .sharding import param_partition_spec, state_partition_spec
 
 
 def xla_counters() -> dict:
@@ -51,18 +48,6 @@ def xla_counters() -> dict:
         "device_to_host_transfers": int(transfers[0]) if transfers else 0,
         "executions": int(met.counter_value("ExecuteComputation") or 0),
     }
-
-
-def param_partition_spec(name: str, p: torch.Tensor) -> tuple | None:
-    """The SPMD partition spec of a parameter (``None``: replicated)."""
-    if p.ndim != 2:
-        return None  # norms, gates, biases, scalars: tiny, replicated
-    module = name.split(".")[-2] if "." in name else name
-    if module in COLUMN_PARALLEL:
-        return ("tp", "fsdp")
-    if module in ROW_PARALLEL:
-        return ("fsdp", "tp")
-    return ("fsdp", None)  # embeddings, mHC projections, pooling: FSDP only
 
 
 class _DeviceBatches:
@@ -114,6 +99,7 @@ class XLABackend(Backend):
         # a host round trip, which the step never pays.
         self.signal_check_interval = cfg.logging.interval
         self._specs: dict[int, tuple] = {}
+        self._grad_hooks: dict[int, object] = {}
 
     def _init_cache(self, cache: str | None) -> None:
         if not cache:
@@ -149,15 +135,26 @@ class XLABackend(Backend):
         return AdamW  # no fused kernel on XLA: the tensor-op AdamW, same state layout
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """SPMD: create the optimiser state now, sharded like its parameter (FSDP)."""
+        """SPMD: shard the optimiser state like its parameter (FSDP), and with
+        ``xla.shard_optimizer_over_data`` over data x fsdp, the gradients too (ZeRO-2)."""
         if not self.spmd:
             return
+        over_data = self.cfg.xla.shard_optimizer_over_data and self.cfg.xla.mesh.data > 1
         for group in optimizer.param_groups:
             for p in group["params"]:
-                spec = self._specs.get(id(p), (None,) * p.ndim)
+                spec = state_partition_spec(self._specs.get(id(p)), over_data) or (None,) * p.ndim
                 for v in optimizer.state[p].values():
                     if torch.is_tensor(v) and v.shape == p.shape and v.device == p.device and v.ndim:
                         self.xs.mark_sharding(v, self.mesh, spec)
+                if over_data and id(p) in self._specs and id(p) not in self._grad_hooks:
+                    # Annotate each gradient as autograd stores it: XLA then reduce-scatters it
+                    # over data x fsdp instead of all-reducing it over data, and it stays that way
+                    # between accumulation micro-steps.
+                    self._grad_hooks[id(p)] = p.register_post_accumulate_grad_hook(
+                        functools.partial(self._shard_grad, spec=spec))
+
+    def _shard_grad(self, param: torch.Tensor, spec: tuple) -> None:
+        self.xs.mark_sharding(param.grad, self.mesh, spec)
 
     def batches(self, iterable):
         kw = {}
