@@ -71,9 +71,10 @@ class ModelConfig:
     nash_pool: Literal["mean", "learned"] = _help("how a block of keys/values is compressed", "mean")
     aggregation: Literal["nash", "convex", "mean"] = _help("how the scale outputs are fused", "nash")
     activation_checkpointing: bool = _help("recompute each block in the backward pass", False)
-    loss_chunk: int = _help("tokens per cross-entropy chunk (0: all at once): the [tokens, vocab] logits "
-                            "are made and dropped a chunk at a time, and recomputed in the backward pass "
-                            "(+1/3 of the LM head's FLOPs); forward returns no logits with targets", 0)
+    loss_chunk: int = _help("sequence positions per cross-entropy chunk (0: all at once): the logits are "
+                            "made [batch, loss_chunk, vocab] at a time, dropped, and recomputed in the "
+                            "backward pass (+1/3 of the LM head's FLOPs); forward returns no logits with "
+                            "targets", 0)
 
     def __post_init__(self):
         hints = typing.get_type_hints(type(self))
@@ -679,6 +680,9 @@ class NashMHC(nn.Module):
         self.register_buffer("rope_sin", torch.empty(cfg.max_seq_len, cfg.head_dim // 2), persistent=False)
         # The XLA backend may swap in torch_xla's own checkpoint; used only when training with grad.
         self.checkpoint_fn = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
+        # The XLA backend may run all blocks as one compiled loop body (torch_xla's scan):
+        # blocks_fn(blocks, h, cos, sin, checkpoint) -> (h, the blocks' mean stats).
+        self.blocks_fn = None
         names = []
         if cfg.nash_scales > 1:
             names += ["nash_entropy"] + [f"nash_w{l}" for l in range(cfg.nash_scales)]
@@ -730,20 +734,24 @@ class NashMHC(nn.Module):
         if cfg.mhc_streams > 1:
             h = h.unsqueeze(2).expand(B, Tp, cfg.mhc_streams, cfg.d_model).contiguous()
         checkpoint = cfg.activation_checkpointing and self.training and torch.is_grad_enabled()
-        stats = []
-        for block in self.blocks:
-            h, s = self.checkpoint_fn(block, h, cos, sin) if checkpoint else block(h, cos, sin)
-            stats.append(s)
+        if self.blocks_fn is not None:
+            h, stats = self.blocks_fn(self.blocks, h, cos, sin, checkpoint)
+        else:
+            stats = []
+            for block in self.blocks:
+                h, s = self.checkpoint_fn(block, h, cos, sin) if checkpoint else block(h, cos, sin)
+                stats.append(s)
+            stats = torch.stack(stats).mean(dim=0)
         if self.mhc_out is not None:
             h = self.mhc_out(h)
-        return self.norm(h[:, :T]), torch.stack(stats).mean(dim=0)
+        return self.norm(h[:, :T]), stats
 
     def forward(self, idx, targets=None) -> ModelOutput:
         if targets is not None and targets.shape != idx.shape:
             raise ValueError(f"targets shape {tuple(targets.shape)} differs from idx shape {tuple(idx.shape)}")
         x, stats = self.trunk(idx)
         if targets is not None and self.config.loss_chunk:
-            loss = self._chunked_loss(x.flatten(0, 1), targets.flatten())
+            loss = self._chunked_loss(x, targets)
             return ModelOutput(None, loss, self._metrics(stats))
         logits = self.lm_head(x)
         loss = None
@@ -752,15 +760,18 @@ class NashMHC(nn.Module):
         return ModelOutput(logits, loss, self._metrics(stats))
 
     def _chunked_loss(self, x, targets):
-        """The mean cross-entropy over targets != -1 of ``x [N, C]``, ``loss_chunk`` tokens at a
-        time: each chunk's logits (and their fp32 copy, log-probabilities and gradient) exist only
-        while that chunk is computed, its forward again in the backward pass (checkpointed)."""
+        """The mean cross-entropy over targets != -1 of ``x [B, T, C]``, ``loss_chunk`` positions
+        of every sequence at a time: each chunk's logits (and their fp32 copy, log-probabilities and
+        gradient) exist only while that chunk is computed, its forward again in the backward pass
+        (checkpointed). Chunks cut the sequence axis, not the batch, so that on an SPMD mesh (the
+        batch split over data x fsdp) every chunk is spread over every device."""
         def chunk_loss(xc, weight, tc):  # summed, so that chunks of any size add up to the mean
-            return F.cross_entropy(F.linear(xc, weight).float(), tc, ignore_index=-1, reduction="sum")
+            logits = F.linear(xc, weight).float()
+            return F.cross_entropy(logits.flatten(0, 1), tc.flatten(), ignore_index=-1, reduction="sum")
 
         recompute = self.training and torch.is_grad_enabled()
         total = x.new_zeros((), dtype=torch.float32)
-        for xc, tc in zip(x.split(self.config.loss_chunk), targets.split(self.config.loss_chunk)):
+        for xc, tc in zip(x.split(self.config.loss_chunk, dim=1), targets.split(self.config.loss_chunk, dim=1)):
             args = (chunk_loss, xc, self.lm_head.weight, tc)
             total = total + (self.checkpoint_fn(*args) if recompute else args[0](*args[1:]))
         return total / (targets != -1).sum()

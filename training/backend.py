@@ -55,6 +55,12 @@ class Backend:
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Place or shard optimiser state (SPMD); a no-op elsewhere."""
 
+    def keep_gradients(self, params: list[torch.Tensor], accumulation: int) -> bool:
+        """Whether gradient buffers live across steps (zeroed after each update, never freed), so
+        that every micro-step adds into existing buffers; if so, they are created here. XLA does
+        with accumulation: a micro-step that creates the gradients would be another graph."""
+        return False
+
     def batches(self, iterable: Iterable) -> Iterator:
         """An iterator of batches already on the device."""
         for x, y in iterable:
@@ -78,9 +84,13 @@ class Backend:
         """Mean of a tensor over replicas (logging only)."""
         return t
 
-    def on_host(self, fn: Callable[[dict], None], tensors: dict) -> None:
-        """Call ``fn`` with the tensors as Python floats, once they are computed."""
-        fn({k: v.item() for k, v in tensors.items()})
+    def on_host(self, fn: Callable[..., None], values: torch.Tensor, *args) -> None:
+        """Call ``fn(numbers, *args)`` with the vector ``values`` as a list of Python floats (one
+        device-to-host transfer), once it is computed."""
+        fn(values.tolist(), *args)
+
+    def wait_host(self) -> None:
+        """Return once every ``on_host`` call has run (XLA runs them in the background)."""
 
     def any_process(self, flag: bool) -> bool:
         """True on every process if ``flag`` is true on any (host-side agreement)."""
@@ -110,6 +120,11 @@ class Backend:
         self.barrier()
 
     # -- reporting ---------------------------------------------------------------------------
+    @property
+    def n_devices(self) -> int:
+        """Devices one step runs on, over all replicas (MFU's denominator)."""
+        return self.world_size
+
     def device_name(self) -> str:
         return str(self.device)
 

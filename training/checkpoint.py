@@ -129,6 +129,41 @@ def find_resume(run_dir: str | Path, warn: Callable[[str], None] = print) -> tup
     return None
 
 
+class Checkpointer:
+    """What the training loop calls for checkpoints: ``find`` (the resume point), ``save``,
+    ``wait`` (for a save still being written) and ``rotate``.
+
+    The backend writes (``backend.save``); the master process rotates.
+    """
+
+    def __init__(self, run_dir: str | Path, keep: int, backend, log: Callable[[str], None] = print):
+        self.run_dir, self.keep, self.backend, self.log = Path(run_dir), keep, backend, log
+
+    def find(self, resume: str) -> tuple[Path, dict] | None:
+        """``checkpoint.resume``: ``auto`` (the newest loadable checkpoint in the run directory, if
+        any), ``none``, or a path (an error if it does not load)."""
+        if resume == "none":
+            return None
+        if resume == "auto":
+            return find_resume(self.run_dir, warn=self.log)
+        path = Path(resume).expanduser()
+        return path, load_checkpoint(path)
+
+    def save(self, ckpt: dict, step: int, reason: str) -> Path:
+        path = checkpoint_path(self.run_dir, step)
+        self.backend.save(ckpt, path)
+        self.rotate()
+        self.log(f"saved {path} ({reason})")
+        return path
+
+    def wait(self) -> None:
+        """Block until no save is in flight (saves are synchronous here)."""
+
+    def rotate(self) -> list[Path]:
+        """The master deletes all but the newest ``keep`` checkpoints."""
+        return rotate(self.run_dir, self.keep) if self.backend.is_master else []
+
+
 # -- RNG state, as weights_only-loadable tensors and lists -------------------------------------
 
 def rng_state() -> dict:

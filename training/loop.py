@@ -24,8 +24,7 @@ import torch
 from model import NashMHC
 
 from .backend import Backend
-from .checkpoint import (FORMAT_VERSION, CheckpointError, checkpoint_path, find_resume,
-                         load_checkpoint, rng_state, rotate, set_rng_state)
+from .checkpoint import FORMAT_VERSION, Checkpointer, CheckpointError, rng_state, set_rng_state
 from .config import Config, ConfigError, check_data, config_from_dict
 from .data import DataStream, TokenWindows, eval_batches
 from .monitor import Monitor, info
@@ -90,16 +89,6 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def resolve_resume(cfg: Config, run_dir: Path) -> tuple[Path, dict] | None:
-    mode = cfg.checkpoint.resume
-    if mode == "none":
-        return None
-    if mode == "auto":
-        return find_resume(run_dir, warn=info)
-    path = Path(mode).expanduser()
-    return path, load_checkpoint(path)  # an explicit path that does not load is an error
-
-
 def check_resume_compatible(cfg: Config, ckpt: dict, path: Path) -> None:
     """The architecture of a checkpoint must match the config's (anything else may change)."""
     try:
@@ -115,242 +104,323 @@ def check_resume_compatible(cfg: Config, ckpt: dict, path: Path) -> None:
             raise CheckpointError(f"{path}: model config differs from the checkpoint's ({'; '.join(structural)})")
 
 
-def train(cfg: Config, backend: Backend) -> int:
-    """Run (or resume) training as the config says; returns the process exit code."""
-    t_cfg, d_cfg = cfg.training, cfg.data
-    meta = check_data(cfg)
-    run_dir = Path(cfg.checkpoint.dir).expanduser()
-    log = info if backend.is_master else (lambda msg: None)
+class Trainer:
+    """One training run, in named pieces: set-up (``__init__``), ``train_step``, ``evaluate``,
+    ``log`` (on the host, at log steps), ``should_stop`` (decisions every process takes together),
+    ``save`` (through a ``Checkpointer``) and ``fit``, the loop that calls them.
 
-    train_ds = TokenWindows(d_cfg.dir, "train", d_cfg.seq_len)
-    val_ds = TokenWindows(d_cfg.dir, "val", d_cfg.seq_len)
-    replicas = backend.world_size
-    if len(val_ds) < t_cfg.batch_size * replicas:
-        raise ConfigError(f"data.dir: the val split has {len(val_ds)} windows of {d_cfg.seq_len + 1} "
-                          f"tokens, fewer than one global batch ({t_cfg.batch_size} x {replicas})")
-    max_steps = cfg.resolve_steps(replicas)
-    tokens_per_step = cfg.tokens_per_step(replicas)
+    ``fit()`` returns the process exit code: 0 done or stopped by a signal (after saving), 3 after
+    ``training.max_nonfinite_steps`` non-finite steps in a row (after saving the last good state).
+    """
 
-    seed_everything(t_cfg.seed)
-    model = NashMHC(cfg.model)  # same seed on every process: identical initial weights
-    state = RunState()
-    resumed = resolve_resume(cfg, run_dir)
-    if resumed is not None:
-        ckpt_path, ckpt = resumed
-        check_resume_compatible(cfg, ckpt, ckpt_path)
-        if int(ckpt["step"]) >= max_steps:
-            # Nothing to do: no data workers, no compilation, and the checkpoint stays as it is.
-            log(f"{ckpt_path} is at step {int(ckpt['step'])}: this run is done ({max_steps:,} steps). "
-                "Raise training.max_steps (or training.total_tokens) to train further, or set "
-                "checkpoint.resume=none or another checkpoint.dir to start over.")
-            return 0
-        model.load_state_dict(ckpt["model"])
+    def __init__(self, cfg: Config, backend: Backend):
+        self.cfg, self.backend = cfg, backend
+        t_cfg, d_cfg = cfg.training, cfg.data
+        self.meta = check_data(cfg)
+        self.run_dir = Path(cfg.checkpoint.dir).expanduser()
+        self.log_line = info if backend.is_master else (lambda msg: None)
 
-    log(f"config (resolved):\n{_yaml(cfg.to_dict())}")
-    log(f"device: {backend.device_name()} x {replicas} replica(s) | model: "
-        f"{model.num_params() / 1e6:.2f}M parameters | data: {meta['splits']['train']['tokens']:,} "
-        f"train tokens, vocab {meta['vocab_size']}")
-    log(f"effective batch: {t_cfg.batch_size} per replica x {replicas} replica(s) x "
-        f"{t_cfg.gradient_accumulation_steps} accumulation = "
-        f"{t_cfg.batch_size * replicas * t_cfg.gradient_accumulation_steps} sequences = "
-        f"{tokens_per_step:,} tokens per step; {max_steps:,} steps"
-        + (f" (training.total_tokens={t_cfg.total_tokens:,})" if t_cfg.max_steps is None else ""))
+        # -- data sizes and the schedule ---------------------------------------------------------
+        self.train_ds = TokenWindows(d_cfg.dir, "train", d_cfg.seq_len)
+        self.val_ds = TokenWindows(d_cfg.dir, "val", d_cfg.seq_len)
+        self.replicas = replicas = backend.world_size
+        if len(self.val_ds) < t_cfg.batch_size * replicas:
+            raise ConfigError(f"data.dir: the val split has {len(self.val_ds)} windows of "
+                              f"{d_cfg.seq_len + 1} tokens, fewer than one global batch "
+                              f"({t_cfg.batch_size} x {replicas})")
+        self.max_steps = cfg.resolve_steps(replicas)
+        self.tokens_per_step = cfg.tokens_per_step(replicas)
 
-    train_model = backend.prepare_model(model, cfg)
-    raw_model = backend.unwrap(train_model)
-    optimizer = build_optimizer(raw_model, t_cfg, backend.adamw_factory())
-    if hasattr(optimizer, "init_state"):
-        optimizer.init_state()  # state exists before step 1: the first step traces the steady graph
-    if resumed is None:
-        backend.prepare_optimizer(optimizer)
-    else:
-        backend.load_optimizer_state(optimizer, ckpt["optimizer"])
+        # -- the model and the resume point ------------------------------------------------------
+        seed_everything(t_cfg.seed)
+        model = NashMHC(cfg.model)  # same seed on every process: identical initial weights
+        self.state = RunState()
+        self.checkpointer = Checkpointer(self.run_dir, cfg.checkpoint.keep, backend, self.log_line)
+        resumed = self.checkpointer.find(cfg.checkpoint.resume)
+        self.finished = False
+        if resumed is not None:
+            ckpt_path, ckpt = resumed
+            check_resume_compatible(cfg, ckpt, ckpt_path)
+            if int(ckpt["step"]) >= self.max_steps:
+                # Nothing to do: no data workers, no compilation, and the checkpoint stays as it is.
+                self.log_line(
+                    f"{ckpt_path} is at step {int(ckpt['step'])}: this run is done "
+                    f"({self.max_steps:,} steps). Raise training.max_steps (or training.total_tokens) "
+                    "to train further, or set checkpoint.resume=none or another checkpoint.dir to "
+                    "start over.")
+                self.finished = True
+                return
+            model.load_state_dict(ckpt["model"])
+        self._log_start(model)
+
+        # -- device placement, the optimiser and the rest of the saved state ---------------------
+        self.train_model = backend.prepare_model(model, cfg)
+        self.model = raw_model = backend.unwrap(self.train_model)
+        self.optimizer = build_optimizer(raw_model, t_cfg, backend.adamw_factory())
+        if hasattr(self.optimizer, "init_state"):
+            self.optimizer.init_state()  # state exists before step 1: step 1 traces the steady graph
+        if resumed is None:
+            backend.prepare_optimizer(self.optimizer)
+        else:
+            self._restore_state(ckpt_path, ckpt)
+            del ckpt
+
+        # -- data on the device, logging, signals ------------------------------------------------
+        state = self.state
+        self.stream = DataStream(self.train_ds, t_cfg.batch_size, replicas, backend.rank, t_cfg.seed,
+                                 num_workers=d_cfg.num_workers)
+        self.stream.set_position(state.epoch, state.offset)
+        self.batches = backend.batches(self.stream)
+        self.amp_dtype = backend.autocast_dtype(t_cfg.precision)
+        self.monitor = Monitor(cfg, self.run_dir, backend.is_master, self.max_steps, state.step)
+        self.params = [p for p in raw_model.parameters() if p.requires_grad]
+        self.flops_per_token = raw_model.flops_per_token(d_cfg.seq_len)
+        self.peak = cfg.logging.peak_flops or backend.peak_flops()
+
+        # Device-side counters: no host sync needed to keep them. Cumulative, never reset: every
+        # step then traces the same graph (XLA compiles it once).
+        device = backend.device
+        self.streak = torch.zeros((), device=device)        # non-finite steps in a row
+        self.worst_streak = torch.zeros((), device=device)  # the longest such run in this process
+        self.skipped = torch.zeros((), device=device)       # non-finite steps in this process
+        self.keep_grads = backend.keep_gradients(self.params, t_cfg.gradient_accumulation_steps)
+        backend.sync()  # materialise the counters and the optimiser state: step 1 = every later step
+        self.value_names: list[str] = []  # what train_step's vector holds, in order
+
+        # Host-side bookkeeping of the log steps.
+        self.skipped_logged = 0
+        self.stop_nonfinite = False
+        self.last_log_time, self.last_log_step = time.time(), state.step
+        self.eval_seconds = 0.0  # evaluation time since the last log line (main thread)
+        self.last_record: dict = {}
+        self.start_tokens, self.start_step = state.tokens_seen, state.step
+
+    def _log_start(self, model: NashMHC) -> None:
+        cfg, t_cfg, backend = self.cfg, self.cfg.training, self.backend
+        self.log_line(f"config (resolved):\n{_yaml(cfg.to_dict())}")
+        self.log_line(
+            f"device: {backend.device_name()} x {self.replicas} replica(s) | model: "
+            f"{model.num_params() / 1e6:.2f}M parameters | data: "
+            f"{self.meta['splits']['train']['tokens']:,} train tokens, vocab {self.meta['vocab_size']}")
+        self.log_line(
+            f"effective batch: {t_cfg.batch_size} per replica x {self.replicas} replica(s) x "
+            f"{t_cfg.gradient_accumulation_steps} accumulation = "
+            f"{t_cfg.batch_size * self.replicas * t_cfg.gradient_accumulation_steps} sequences = "
+            f"{self.tokens_per_step:,} tokens per step; {self.max_steps:,} steps"
+            + (f" (training.total_tokens={t_cfg.total_tokens:,})" if t_cfg.max_steps is None else ""))
+
+    def _restore_state(self, path: Path, ckpt: dict) -> None:
+        """Optimiser, RNG, step, tokens and data position from a checkpoint (the model is loaded)."""
+        state = self.state
+        self.backend.load_optimizer_state(self.optimizer, ckpt["optimizer"])
         set_rng_state(ckpt["rng"])
         state.step, state.tokens_seen = int(ckpt["step"]), int(ckpt["tokens_seen"])
         state.epoch, state.offset = int(ckpt["data"]["epoch"]), int(ckpt["data"]["offset"])
         state.nonfinite_total = int(ckpt.get("nonfinite", {}).get("total", 0))
-        log(f"resumed from {ckpt_path} at step {state.step} (epoch {state.epoch}, sample "
-            f"{state.offset}, {state.tokens_seen:,} tokens seen)")
-        del ckpt
+        self.log_line(f"resumed from {path} at step {state.step} (epoch {state.epoch}, sample "
+                      f"{state.offset}, {state.tokens_seen:,} tokens seen)")
 
-    stream = DataStream(train_ds, t_cfg.batch_size, replicas, backend.rank, t_cfg.seed,
-                        num_workers=d_cfg.num_workers)
-    stream.set_position(state.epoch, state.offset)
-    batches = backend.batches(stream)
-    amp_dtype = backend.autocast_dtype(t_cfg.precision)
-    monitor = Monitor(cfg, run_dir, backend.is_master, max_steps, state.step)
-    stopper = STOP.install()
-    params = [p for p in raw_model.parameters() if p.requires_grad]
-    flops_per_token = raw_model.flops_per_token(d_cfg.seq_len)
-    peak = cfg.logging.peak_flops or backend.peak_flops()
-    device = backend.device
+    def tokens_at(self, step: int) -> int:
+        return self.start_tokens + (step - self.start_step) * self.tokens_per_step
 
-    # Device-side counters: no host sync needed to keep them.
-    # Cumulative, never reset: every step then traces the same graph (XLA compiles it once).
-    streak = torch.zeros((), device=device)        # non-finite steps in a row
-    worst_streak = torch.zeros((), device=device)  # the longest such run in this process
-    skipped = torch.zeros((), device=device)       # non-finite steps in this process
-    skipped_logged = 0
-    backend.sync()  # materialise the counters and the optimiser state: step 1 = every later step
+    # -- the step ----------------------------------------------------------------------------
+    def train_step(self, lr: float) -> torch.Tensor:
+        """One optimiser step at learning rate ``lr``: ``accumulation`` micro-steps of forward and
+        backward, the gradient reduction, clipping of the reduced gradient, an update that is
+        skipped when the loss or the gradient is not finite, and the device-side counters.
 
-    host = {"stop_nonfinite": False, "last_log_time": time.time(), "last_log_step": state.step,
-            "last": {}, "eval_seconds": 0.0}
+        Returns the step's values (``self.value_names``) stacked in one device vector, averaged
+        over replicas: read on the host at log steps only, as one transfer. The same outputs
+        every step, so that every step traces the same graphs. On XLA those are two, whatever the
+        accumulation and the log interval: the micro-step (forward, backward, gradients added
+        into buffers that exist) and the update (the loader's sync ends each micro-step).
+        """
+        t_cfg, backend, optimizer = self.cfg.training, self.backend, self.optimizer
+        accum = t_cfg.gradient_accumulation_steps
+        set_lr(optimizer, lr / t_cfg.learning_rate)
+        micro_losses = []
+        for micro in range(accum):
+            x, y = next(self.batches)
+            with backend.no_sync(self.train_model, last_micro_step=micro == accum - 1):
+                with backend.autocast(self.amp_dtype):
+                    out = self.train_model(x, y)
+                out.logits = None  # [batch, seq, vocab], unused: free it now (and keep it out of XLA's outputs)
+                (out.loss / accum).backward()
+            micro_losses.append(out.loss.detach().float())
+        backend.sync()  # XLA: the update is its own graph, the same for every accumulation
+        backend.reduce_gradients(optimizer)
+        grads = [p.grad for p in self.params if p.grad is not None]
+        grad_norm = torch.nn.utils.get_total_norm(grads)
+        if t_cfg.grad_clip > 0:
+            torch.nn.utils.clip_grads_with_norm_(self.params, t_cfg.grad_clip, grad_norm)
+        loss = micro_losses[0] if accum == 1 else torch.stack(micro_losses).mean()
+        ok = torch.isfinite(loss) & torch.isfinite(grad_norm)
+        optimizer.found_inf = (~ok).float()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=not self.keep_grads)
+        bad = (~ok).float()
+        self.streak = (self.streak + 1) * bad
+        self.worst_streak = torch.maximum(self.worst_streak, self.streak)
+        self.skipped = self.skipped + bad
+        values = {"loss": loss, "grad_norm": grad_norm, "_skipped": self.skipped,
+                  "_worst_streak": self.worst_streak, **out.metrics}
+        self.value_names = list(values)
+        return backend.mean_across(torch.stack([v.float() for v in values.values()]))
 
-    def save(reason: str) -> None:
-        pos = stream.advance(state.epoch, state.offset, state.batches_done)
-        ckpt = {
-            "format_version": FORMAT_VERSION,
-            "model": backend.model_state(train_model),
-            "optimizer": backend.optimizer_state(optimizer),
-            "step": state.step,
-            "tokens_seen": state.tokens_seen,
-            "data": {"epoch": pos[0], "offset": pos[1]},
-            "rng": rng_state(),
-            "nonfinite": {"total": state.nonfinite_total},
-            "config": cfg.to_dict(),
-            "trainer": backend.name,
-        }
-        path = checkpoint_path(run_dir, state.step)
-        backend.save(ckpt, path)
-        if backend.is_master:
-            rotate(run_dir, cfg.checkpoint.keep)
-        log(f"saved {path} ({reason})")
-
-    def evaluate() -> torch.Tensor:
-        """Mean validation loss over the same ``evaluation.steps`` batches every time."""
+    # -- evaluation --------------------------------------------------------------------------
+    def evaluate(self) -> torch.Tensor:
+        """Mean validation loss over the same ``evaluation.steps`` batches every time (a device
+        tensor, averaged over replicas)."""
         t0 = time.time()
-        raw_model.eval()
+        backend, model = self.backend, self.model
+        model.eval()
         batch_losses = []
         with torch.no_grad():
-            for x, y in backend.batches(eval_batches(val_ds, t_cfg.batch_size, cfg.evaluation.steps,
-                                                      replicas, backend.rank)):
-                with backend.autocast(amp_dtype):
-                    batch_losses.append(raw_model(x, y).loss.float())
+            for x, y in backend.batches(eval_batches(self.val_ds, self.cfg.training.batch_size,
+                                                      self.cfg.evaluation.steps, self.replicas,
+                                                      backend.rank)):
+                with backend.autocast(self.amp_dtype):
+                    batch_losses.append(model(x, y).loss.float())
                 backend.sync()  # one forward graph, the same for every batch
-        raw_model.train()
-        host["eval_seconds"] += time.time() - t0
+        model.train()
+        self.eval_seconds += time.time() - t0
         return backend.mean_across(torch.stack(batch_losses).mean())
 
-    def on_log(values: dict) -> None:
-        """Runs on the host once a log step's tensors are computed (XLA: in a step closure)."""
-        step = int(values.pop("_step"))
+    # -- logging -----------------------------------------------------------------------------
+    def log(self, numbers: list[float], names: list[str], step: int, lr: float, eval_s: float) -> None:
+        """A log step's values (``numbers``, named ``names``), on the host once computed (XLA: in
+        an asynchronous step closure, while the loop runs on): metrics.jsonl, the progress bar,
+        TensorBoard/W&B, the non-finite counters. ``eval_s``: evaluation time since the last line."""
+        t_cfg, state = self.cfg.training, self.state
+        values = dict(zip(names, numbers))
         now = time.time()
-        dt = max(now - host["last_log_time"] - host["eval_seconds"], 1e-9)  # training time only
-        host["eval_seconds"] = 0.0
-        steps = step - host["last_log_step"]
-        host["last_log_time"], host["last_log_step"] = now, step
-        nonlocal skipped_logged
+        dt = max(now - self.last_log_time - eval_s, 1e-9)  # training time only
+        steps = step - self.last_log_step
+        self.last_log_time, self.last_log_step = now, step
         skipped_now = int(values.pop("_skipped"))
-        state.nonfinite_total += skipped_now - skipped_logged
-        skipped_logged = skipped_now
+        state.nonfinite_total += skipped_now - self.skipped_logged
+        self.skipped_logged = skipped_now
         if values.pop("_worst_streak") >= t_cfg.max_nonfinite_steps:
-            host["stop_nonfinite"] = True
-        rec = {"loss": values.pop("loss"), "lr": values.pop("lr"), "grad_norm": values.pop("grad_norm"),
-               "tokens_seen": state_tokens(step)}
+            self.stop_nonfinite = True
+        rec = {"loss": values.pop("loss"), "lr": lr, "grad_norm": values.pop("grad_norm"),
+               "tokens_seen": self.tokens_at(step)}
         if steps > 0:
-            rec["tokens_per_sec"] = steps * tokens_per_step / dt
+            rec["tokens_per_sec"] = steps * self.tokens_per_step / dt
             rec["step_time"] = dt / steps
-            if peak:
-                rec["mfu"] = rec["tokens_per_sec"] * flops_per_token / (peak * replicas)
+            if self.peak:  # one device's peak, times the devices the step runs on
+                rec["mfu"] = (rec["tokens_per_sec"] * self.flops_per_token
+                              / (self.peak * self.backend.n_devices))
         if "eval_loss" in values:
             rec["eval_loss"] = values.pop("eval_loss")
             rec["eval_ppl"] = math.exp(min(rec["eval_loss"], 50.0))
         rec["nonfinite_skipped"] = state.nonfinite_total
         rec.update(values)  # model metrics (nash entropy, mHC gates, ...)
-        rec.update(backend.log_extras())
-        host["last"] = rec
-        monitor.log(step, rec)
+        rec.update(self.backend.log_extras())
+        self.last_record = rec
+        self.monitor.log(step, rec)
         if "eval_loss" in rec:
-            log(f"step {step}: loss {rec['loss']:.4f} | val loss {rec['eval_loss']:.4f} "
-                f"(ppl {rec['eval_ppl']:.2f})")
+            self.log_line(f"step {step}: loss {rec['loss']:.4f} | val loss {rec['eval_loss']:.4f} "
+                          f"(ppl {rec['eval_ppl']:.2f})")
 
-    start_tokens, start_step = state.tokens_seen, state.step
+    # -- decisions taken by every process together -------------------------------------------
+    def should_stop(self) -> str | None:
+        """``"nonfinite"``, ``"signal"`` or ``None``; the same answer on every process."""
+        if self.backend.any_process(self.stop_nonfinite):
+            return "nonfinite"
+        if self.backend.any_process(STOP.requested):
+            return "signal"
+        return None
 
-    def state_tokens(step: int) -> int:
-        return start_tokens + (step - start_step) * tokens_per_step
+    # -- checkpoints -------------------------------------------------------------------------
+    def save(self, reason: str) -> None:
+        state, backend = self.state, self.backend
+        backend.wait_host()  # pending log lines update state.nonfinite_total
+        pos = self.stream.advance(state.epoch, state.offset, state.batches_done)
+        ckpt = {
+            "format_version": FORMAT_VERSION,
+            "model": backend.model_state(self.train_model),
+            "optimizer": backend.optimizer_state(self.optimizer),
+            "step": state.step,
+            "tokens_seen": state.tokens_seen,
+            "data": {"epoch": pos[0], "offset": pos[1]},
+            "rng": rng_state(),
+            "nonfinite": {"total": state.nonfinite_total},
+            "config": self.cfg.to_dict(),
+            "trainer": backend.name,
+        }
+        self.checkpointer.save(ckpt, state.step, reason)
 
-    accum = t_cfg.gradient_accumulation_steps
-    train_model.train()
-    exit_reason = "done"
-    try:
-        while state.step < max_steps:
-            lr = lr_at(state.step, max_steps, t_cfg.learning_rate, t_cfg.warmup_steps, t_cfg.min_lr_ratio)
-            set_lr(optimizer, lr / t_cfg.learning_rate)
-            micro_losses = []
-            for micro in range(accum):
-                x, y = next(batches)
-                with backend.no_sync(train_model, last_micro_step=micro == accum - 1):
-                    with backend.autocast(amp_dtype):
-                        out = train_model(x, y)
-                    out.logits = None  # [batch, seq, vocab], unused: free it now (and keep it out of XLA's outputs)
-                    (out.loss / accum).backward()
-                micro_losses.append(out.loss.detach().float())
-            backend.reduce_gradients(optimizer)
-            grads = [p.grad for p in params if p.grad is not None]
-            grad_norm = torch.nn.utils.get_total_norm(grads)
-            if t_cfg.grad_clip > 0:
-                torch.nn.utils.clip_grads_with_norm_(params, t_cfg.grad_clip, grad_norm)
-            loss = micro_losses[0] if accum == 1 else torch.stack(micro_losses).mean()
-            ok = torch.isfinite(loss) & torch.isfinite(grad_norm)
-            optimizer.found_inf = (~ok).float()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            bad = (~ok).float()
-            streak = (streak + 1) * bad
-            worst_streak = torch.maximum(worst_streak, streak)
-            skipped = skipped + bad
-
-            state.step += 1
-            state.batches_done += accum
-            state.tokens_seen = state_tokens(state.step)
-            last = state.step == max_steps
-            do_eval = last or (cfg.evaluation.interval > 0 and state.step % cfg.evaluation.interval == 0)
-            do_log = last or do_eval or state.step % cfg.logging.interval == 0
-            # Held every step, not only at log steps, so that every step's graph has the same
-            # outputs (one compilation on XLA); they reach the host only at log steps.
-            values = {"loss": loss, "grad_norm": grad_norm, "_skipped": skipped,
-                      "_worst_streak": worst_streak, **out.metrics}
-            if do_log:
-                values = {**values, "loss": backend.mean_across(loss), "lr": torch.tensor(lr),
-                          "_step": torch.tensor(state.step)}
+    # -- the loop ----------------------------------------------------------------------------
+    def fit(self) -> int:
+        """Train to ``max_steps`` (or a stop decision), save, and return the exit code."""
+        if self.finished:
+            return 0
+        cfg, t_cfg, backend, state = self.cfg, self.cfg.training, self.backend, self.state
+        STOP.install()
+        self.train_model.train()
+        exit_reason = "done"
+        try:
+            while state.step < self.max_steps:
+                lr = lr_at(state.step, self.max_steps, t_cfg.learning_rate, t_cfg.warmup_steps,
+                           t_cfg.min_lr_ratio)
+                values = self.train_step(lr)
+                state.step += 1
+                state.batches_done += t_cfg.gradient_accumulation_steps
+                state.tokens_seen = self.tokens_at(state.step)
+                last = state.step == self.max_steps
+                do_eval = last or (cfg.evaluation.interval > 0 and state.step % cfg.evaluation.interval == 0)
+                do_log = last or do_eval or state.step % cfg.logging.interval == 0
+                names = self.value_names
                 if do_eval:
-                    values["eval_loss"] = evaluate()
-                backend.on_host(on_log, values)
-            backend.sync()
-            monitor.advance(state.step)
+                    backend.sync()  # the step's graphs alone, as on every step; then evaluation's
+                    values, names = torch.cat([values, self.evaluate().view(1)]), names + ["eval_loss"]
+                if do_log:
+                    eval_s, self.eval_seconds = self.eval_seconds, 0.0
+                    backend.on_host(self.log, values, names, state.step, lr, eval_s)
+                backend.sync()
+                self.monitor.advance(state.step)
 
-            check = do_log or state.step % backend.signal_check_interval == 0
-            if check and backend.any_process(host["stop_nonfinite"]):
-                exit_reason = "nonfinite"
-                break
-            if check and backend.any_process(stopper.requested):
-                exit_reason = "signal"
-                break
-            if cfg.checkpoint.interval > 0 and state.step % cfg.checkpoint.interval == 0 and not last:
-                save("interval")
-    finally:
-        stopper.restore()
-        monitor.close()
-        backend.close_batches(batches)  # stop prefetching and join the data workers
-        stream.close()
+                if do_log or state.step % backend.signal_check_interval == 0:
+                    reason = self.should_stop()
+                    if reason is not None:
+                        exit_reason = reason
+                        break
+                if cfg.checkpoint.interval > 0 and state.step % cfg.checkpoint.interval == 0 and not last:
+                    self.save("interval")
+        finally:
+            backend.wait_host()  # the last log lines reach metrics.jsonl before it closes
+            STOP.restore()
+            self.monitor.close()
+            backend.close_batches(self.batches)  # stop prefetching and join the data workers
+            self.stream.close()
+        return self._finish(exit_reason)
 
-    if exit_reason == "nonfinite":
-        save("non-finite loss")
-        log(f"error: the loss or gradient was NaN/Inf for {t_cfg.max_nonfinite_steps} steps in a row "
-            f"(step {state.step}); updates were skipped, so the checkpoint holds the last good weights. "
-            "Lower training.learning_rate, check the data, or use precision=fp32.")
-        backend.finish(run_dir, log)
-        return 3
-    save("signal" if exit_reason == "signal" else "final")
-    if exit_reason == "signal":
-        log(f"stopped at step {state.step} after {stopper.signal_name}; resume with the same command")
-    else:
-        last = host["last"]
-        if "eval_loss" in last:
-            log(f"done: {state.step} steps, {state.tokens_seen:,} tokens; final val loss "
-                f"{last['eval_loss']:.4f} (ppl {last['eval_ppl']:.2f})")
-    backend.finish(run_dir, log)
-    return 0
+    def _finish(self, exit_reason: str) -> int:
+        state = self.state
+        if exit_reason == "nonfinite":
+            self.save("non-finite loss")
+            self.log_line(
+                f"error: the loss or gradient was NaN/Inf for {self.cfg.training.max_nonfinite_steps} "
+                f"steps in a row (step {state.step}); updates were skipped, so the checkpoint holds "
+                "the last good weights. Lower training.learning_rate, check the data, or use "
+                "precision=fp32.")
+            self.backend.finish(self.run_dir, self.log_line)
+            return 3
+        self.save("signal" if exit_reason == "signal" else "final")
+        if exit_reason == "signal":
+            self.log_line(f"stopped at step {state.step} after {STOP.signal_name}; resume with the "
+                          "same command")
+        elif "eval_loss" in self.last_record:
+            last = self.last_record
+            self.log_line(f"done: {state.step} steps, {state.tokens_seen:,} tokens; final val loss "
+                          f"{last['eval_loss']:.4f} (ppl {last['eval_ppl']:.2f})")
+        self.backend.finish(self.run_dir, self.log_line)
+        return 0
+
+
+def train(cfg: Config, backend: Backend) -> int:
+    """Run (or resume) training as the config says; returns the process exit code."""
+    return Trainer(cfg, backend).fit()
 
 
 def _yaml(tree: dict) -> str:

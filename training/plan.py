@@ -40,7 +40,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from model import ModelConfig, NashMHC
 
 from .config import Config, ConfigError
-from .monitor import peak_flops_for
+from .monitor import TPU_DEVICE_KINDS, peak_flops_for
 from .optim import AdamW, build_optimizer
 from .sharding import param_partition_spec, shard_factor, state_partition_spec
 
@@ -53,7 +53,7 @@ GiB = 2 ** 30
 @dataclass(frozen=True)
 class Device:
     kind: str
-    name: str               # as monitor.PEAK_FLOPS and the backends name it
+    name: str               # as the backends name it (monitor.TPU_DEVICE_KINDS, monitor.PEAK_FLOPS)
     memory: int             # bytes per chip
     compiler: str           # "xla" (train_xla.py) or "eager" (train.py)
 
@@ -62,20 +62,18 @@ class Device:
         return peak_flops_for(self.name)
 
 
-# HBM per chip and dense bf16 peak (monitor.PEAK_FLOPS), from the vendors' pages:
-#   TPU v4: 32 GiB, 275 TFLOP/s   https://cloud.google.com/tpu/docs/v4
-#   TPU v5e: 16 GB, 197 TFLOP/s   https://cloud.google.com/tpu/docs/v5e
-#   TPU v5p: 95 GB, 459 TFLOP/s   https://cloud.google.com/tpu/docs/v5p
-#   TPU v6e: 32 GB, 918 TFLOP/s   https://cloud.google.com/tpu/docs/v6e
-#   H100 SXM 80 GB, H200 141 GB: 989 TFLOP/s; A100 40/80 GB: 312 TFLOP/s (NVIDIA data sheets).
-# TPU HBM is built in binary sizes (Google's v4 page says GiB, the newer pages GB for the same
-# parts); GPU capacities are taken as decimal GB, below what torch.cuda reports (80 GB H100:
-# 79.1 GiB). The runtime's own reservation is left to the margin.
+# Memory per chip, from the vendors' pages (the peak FLOP/s come from training/monitor.py's tables,
+# the ones MFU is logged with): TPU v4 32 GiB, v5e 16 GB, v5p 95 GB, v6e 32 GB
+# (https://cloud.google.com/tpu/docs/v4, .../v5e, .../v5p, .../v6e); H100 SXM 80 GB, H200 141 GB,
+# A100 40/80 GB (NVIDIA data sheets). TPU HBM is built in binary sizes (Google's v4 page says GiB,
+# the newer pages GB for the same parts); GPU capacities are taken as decimal GB, below what
+# torch.cuda reports (80 GB H100: 79.1 GiB). The runtime's own reservation is left to the margin.
+_TPU_NAME = {short: kind for kind, (short, _) in TPU_DEVICE_KINDS.items()}  # "v4" -> "TPU v4"
 DEVICES = {
-    "v6e": Device("v6e", "TPU v6 lite", 32 * GiB, "xla"),
-    "v5p": Device("v5p", "TPU v5p", 95 * GiB, "xla"),
-    "v5e": Device("v5e", "TPU v5 lite", 16 * GiB, "xla"),
-    "v4": Device("v4", "TPU v4", 32 * GiB, "xla"),
+    "v6e": Device("v6e", _TPU_NAME["v6e"], 32 * GiB, "xla"),
+    "v5p": Device("v5p", _TPU_NAME["v5p"], 95 * GiB, "xla"),
+    "v5e": Device("v5e", _TPU_NAME["v5e"], 16 * GiB, "xla"),
+    "v4": Device("v4", _TPU_NAME["v4"], 32 * GiB, "xla"),
     "h100": Device("h100", "H100", 80 * 10 ** 9, "eager"),
     "h200": Device("h200", "H200", 141 * 10 ** 9, "eager"),
     "a100": Device("a100", "A100 80GB", 80 * 10 ** 9, "eager"),
@@ -526,7 +524,7 @@ def trace_step(cfg: Config, layout: Layout, device: Device, micro_batch: Optiona
     A model deeper than three blocks is traced with three and deepened (``Trace.deepen``): the
     same numbers at a fraction of the time; ``deepen=False`` traces every block.
     """
-    key = repr((cfg.model, cfg.data.seq_len, cfg.training, layout.entry, device.compiler,
+    key = repr((cfg.model, cfg.data.seq_len, cfg.training, cfg.xla.scan_layers, layout.entry, device.compiler,
                 micro_batch or layout.micro_batch, evaluation, deepen))
     if key not in _TRACES:
         if len(_TRACES) >= 16:
@@ -542,7 +540,7 @@ def _trace_step(cfg, layout, device, micro_batch, evaluation, deepen) -> Trace:
     n_layers = cfg.model.n_layers
     if deepen and n_layers > TRACED_BLOCKS:
         small = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, n_layers=TRACED_BLOCKS))
-        trace, per_layer = _trace(small, layout, device, micro_batch, evaluation)
+        trace, per_layer = _trace(small, layout, device, micro_batch, evaluation, n_layers)
         needed = {f"forward {k}" for k in ("0", "1", "2", "end")}
         if not evaluation:
             needed |= {f"backward {k}" for k in ("0", "1", "2", "top")}
@@ -552,9 +550,17 @@ def _trace_step(cfg, layout, device, micro_batch, evaluation, deepen) -> Trace:
 
 
 def _trace(cfg: Config, layout: Layout, device: Device, micro_batch: Optional[int],
-           evaluation: bool) -> tuple[Trace, np.ndarray]:
+           evaluation: bool, n_layers: Optional[int] = None) -> tuple[Trace, np.ndarray]:
     """The trace, and the bytes per column that block 1's weights, optimiser state and
-    (accumulating) gradients hold."""
+    (accumulating) gradients hold. ``n_layers``: the depth of the model this trace stands for
+    (it may trace fewer blocks and be deepened).
+
+    With ``xla.scan_layers`` (train_xla.py) the blocks run as one loop over their parameters
+    stacked into ``[n_layers, ...]`` tensors (xla_backend.ScanBlocks): that stacked copy exists
+    from the first block's forward to the end of the backward, and the loop's backward produces
+    the stacked gradient, which exists from the top of the backward until the per-parameter
+    gradients are taken from it. Both are counted as such (sharded like their parameter), the
+    blocks themselves as the unrolled loop runs them (the same ops, checkpointed alike)."""
     b = micro_batch or layout.micro_batch
     T = cfg.data.seq_len
     accum = cfg.training.gradient_accumulation_steps
@@ -602,12 +608,30 @@ def _trace(cfg: Config, layout: Layout, device: Device, micro_batch: Optional[in
         hooks = [p.register_post_accumulate_grad_hook(
             lambda p: rec.retag(p.grad, GRADS, specs[id(p)])) for p in params]
         stack: list[str] = []
+        scan = layout.entry == "xla" and cfg.xla.scan_layers
+        depth = n_layers or cfg.model.n_layers
+        stacked: list[torch.Tensor] = []    # ScanBlocks' stacked weights, then their gradient
+
+        def stack_block_params():
+            stacked.extend(p.new_empty((depth, *p.shape)) for p in model.blocks[0].parameters())
+
+        def enter(phase):
+            rec.enter(phase)
+            if phase == "optimizer":
+                stacked.clear()
+
+        def top_of_backward(grad):
+            rec.mark("backward top")
+            if scan:
+                stack_block_params()  # the loop's stacked gradient
 
         def pre(module, args):
             stack.append(names.get(module, type(module).__name__))
             rec.set_where(stack[-1])
             k = blocks.get(module)
             if k is not None and PHASES[rec.phase] != "backward":   # not a recomputation
+                if k == 0 and scan and not stacked:
+                    stack_block_params()
                 rec.mark(f"forward {k}")
                 if args and isinstance(args[0], torch.Tensor) and args[0].requires_grad:
                     args[0].register_hook(lambda grad, k=k: rec.mark(f"backward {k}"))
@@ -619,7 +643,7 @@ def _trace(cfg: Config, layout: Layout, device: Device, micro_batch: Optional[in
                 rec.mark("forward end")
                 h = out[0] if isinstance(out, tuple) else out
                 if isinstance(h, torch.Tensor) and h.requires_grad:
-                    h.register_hook(lambda grad: rec.mark("backward top"))
+                    h.register_hook(top_of_backward)
 
         from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
         handles = [register_module_forward_pre_hook(pre), register_module_forward_hook(post)]
@@ -632,7 +656,7 @@ def _trace(cfg: Config, layout: Layout, device: Device, micro_batch: Optional[in
                     del loss
                 else:
                     training_step(model, optimizer, params, x, y, accum, amp, cfg.training.grad_clip,
-                                  rec.enter)
+                                  enter)
         finally:
             for h in hooks + handles:
                 h.remove()
@@ -691,7 +715,7 @@ PARTS = (  # report lines: (label, kinds)
     ("weights (fp32)", (WEIGHTS,)),
     ("gradients", (GRADS,)),
     ("optimizer state", (OPT,)),
-    ("weight copies (autocast)", (COPIES,)),
+    ("weight copies (autocast, scan)", (COPIES,)),
     ("saved activations", (ACT,)),
     ("backward temporaries, recompute", (TEMP,)),
     ("optimizer temporaries", (OPT_TEMP,)),
@@ -791,11 +815,11 @@ def _with(cfg: Config, **sections) -> Config:
     return out
 
 
-def _loss_chunk_for(mcfg: ModelConfig, tokens: int) -> int:
-    """Tokens per cross-entropy chunk: fp32 logits of about 256 MiB (a power of two, at most the
-    micro-batch)."""
-    chunk = 2 ** int(math.log2(max(1, (256 * 2 ** 20) // (4 * mcfg.vocab_size))))
-    return max(1, min(chunk, tokens))
+def _loss_chunk_for(mcfg: ModelConfig, micro_batch: int, seq_len: int) -> int:
+    """Sequence positions per cross-entropy chunk: fp32 logits of about 256 MiB per chip (a power
+    of two, at most the sequence)."""
+    chunk = 2 ** int(math.log2(max(1, (256 * 2 ** 20) // (4 * mcfg.vocab_size * micro_batch))))
+    return max(1, min(chunk, seq_len))
 
 
 def find_levers(plan: Plan, entry: str, train_trace: Trace) -> list[Lever]:
@@ -822,7 +846,7 @@ def find_levers(plan: Plan, entry: str, train_trace: Trace) -> list[Lever]:
                          "gradients and optimizer state sharded over data x fsdp: same traffic", peak))
     steps = []
     if cfg.model.loss_chunk == 0:
-        chunk = _loss_chunk_for(cfg.model, layout.micro_batch * cfg.data.seq_len)
+        chunk = _loss_chunk_for(cfg.model, layout.micro_batch, cfg.data.seq_len)
         steps.append(({"loss_chunk": chunk}, f"model.loss_chunk={chunk}",
                       "cross-entropy in chunks: the [tokens, vocab] logits never exist in full "
                       "(+1/3 of the LM head's FLOPs)"))
@@ -872,6 +896,12 @@ def _duration(seconds: float) -> str:
     return f"{seconds / 86400:.1f} days"
 
 
+def _origin(op: str) -> str:
+    if op == "aten.new_empty.default":
+        return "scan_layers' stack"  # _trace stands for ScanBlocks' torch.stack with new_empty
+    return op.split(".")[1] if "." in op else op
+
+
 def format_plan(plan: Plan, mfu: float, usd_per_chip_hour: Optional[float], config_path,
                 levers: Optional[list[Lever]] = None) -> str:
     cfg, layout, device = plan.cfg, plan.layout, plan.device
@@ -888,6 +918,8 @@ def format_plan(plan: Plan, mfu: float, usd_per_chip_hour: Optional[float], conf
                 f"loss_chunk {m.loss_chunk or 'off'}"]
     if hasattr(m, "stream_dtype"):
         settings.append(f"stream_dtype {m.stream_dtype}")
+    if layout.entry == "xla" and cfg.xla.scan_layers:
+        settings.append("scan_layers on")
     if layout.zero:
         settings.append("gradients and optimizer state over data x fsdp")
     lines = [f"plan for {config_path} on {device.kind} ({device.memory / GiB:.1f} GiB per chip"
@@ -906,7 +938,7 @@ def format_plan(plan: Plan, mfu: float, usd_per_chip_hour: Optional[float], conf
     lines.append(f"  {'total':<33}{size(plan.train.total, 9)}   {size(plan.evaluation.total, 10)}")
     lines.append(f"  training peak: {plan.train.phase} pass, at {plan.train.where}")
     if plan.train.largest:
-        big = "; ".join(f"{size(nb)} {dt}{list(shape)} from {op.split('.')[1] if '.' in op else op}"
+        big = "; ".join(f"{size(nb)} {dt}{list(shape)} from {_origin(op)}"
                         for nb, shape, dt, op in plan.train.largest)
         lines.append(f"  largest tensors there ({unit}): {big}")
     usable = plan.usable

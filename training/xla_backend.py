@@ -9,14 +9,21 @@ Two modes (``xla.mode``):
   sharded FSDP-style over ``fsdp`` and tensor-parallel over ``tp``; the batch is sharded over
   ``data`` and ``fsdp``; XLA's SPMD partitioner inserts the collectives. ``batch_size`` is global.
 
-Host syncs happen only in step closures at log intervals; values are copied with ``.cpu()`` (a
-transfer), never ``.item()`` on a device tensor (which would show up as an ``aten::`` fallback).
+Every step traces two graphs whatever the accumulation and the log interval (the micro-step and
+the update); the device loader's sync ends each micro-step. A log line's values reach the host as
+one vector, copied with ``.cpu()`` (one transfer, never ``.item()``, which would show up as an
+``aten::`` fallback) in an asynchronous step closure: the loop does not wait for it.
+
+Set-up checks (the mesh, the SPMD batch, the data every host has) refuse a launch with one line
+before anything compiles, decided by all hosts together.
 """
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import os
+import threading
 from pathlib import Path
 from typing import Callable
 
@@ -31,6 +38,8 @@ from torch import nn
 
 from .backend import Backend, load_optimizer_state
 from .checkpoint import fsync_dir
+from .config import ConfigError
+from .data import data_fingerprint
 from .monitor import peak_flops_for
 from .optim import AdamW
 from .sharding import param_partition_spec, state_partition_spec
@@ -48,6 +57,169 @@ def xla_counters() -> dict:
         "device_to_host_transfers": int(transfers[0]) if transfers else 0,
         "executions": int(met.counter_value("ExecuteComputation") or 0),
     }
+
+
+def build_mesh(m) -> "xs.Mesh":
+    """The SPMD ``data x fsdp x tp`` mesh of ``xla.mesh`` over every device of the job.
+
+    On TPU the devices are laid out by the physical topology (torch_xla's ``HybridMesh``; the
+    data axis spans ``dcn_data`` slices over the data-center network), so each ``tp`` group is a
+    set of neighbouring chips; it is then checked to lie within one host. Elsewhere (PJRT CPU,
+    GPU) devices follow runtime ordinals. Every error is one line naming the key.
+    """
+    import torch_xla.distributed.spmd as xs
+
+    n = xr.global_runtime_device_count()
+    axes, shape = ("data", "fsdp", "tp"), (m.data, m.fsdp, m.tp)
+    if m.data * m.fsdp * m.tp != n:
+        raise ConfigError(f"xla.mesh: data x fsdp x tp = {m.data} x {m.fsdp} x {m.tp} = "
+                          f"{m.data * m.fsdp * m.tp}, but there are {n} devices")
+    if xr.device_type() != "TPU":
+        if m.dcn_data > 1:
+            raise ConfigError(f"xla.mesh.dcn_data={m.dcn_data}: multi-slice meshes need TPU slices "
+                              f"(the devices here are {xr.device_type()})")
+        return xs.Mesh(np.arange(n), shape, axes)
+    slices = len({a.get("slice_index", 0) for a in xr.global_runtime_device_attributes()})
+    if slices != m.dcn_data:
+        raise ConfigError(f"xla.mesh.dcn_data={m.dcn_data}, but this job runs on {slices} TPU slice(s)")
+    ici = (m.data // m.dcn_data, m.fsdp, m.tp)
+    try:
+        mesh = xs.HybridMesh(ici_mesh_shape=ici, axis_names=axes,
+                             dcn_mesh_shape=(m.dcn_data, 1, 1) if m.dcn_data > 1 else None)
+    except (ValueError, NotImplementedError, AssertionError) as e:
+        raise ConfigError(f"xla.mesh: the per-slice mesh data x fsdp x tp = {ici[0]} x {ici[1]} x "
+                          f"{ici[2]} does not fit the slice's chip topology "
+                          f"({' '.join(str(e).split())})") from None
+    return mesh
+
+
+def tp_problem(mesh, m) -> str:
+    """This host's part of the check that every ``tp`` group lies within one host ("" if it
+    does; on TPU only). Each host sees its own devices, so the hosts decide together."""
+    if mesh is None or m.tp == 1 or xr.device_type() != "TPU":
+        return ""
+    local = {int(d.split(":")[-1]) for d in torch_xla._XLAC._xla_get_runtime_devices()}
+    split = tp_groups_across_hosts(mesh.get_logical_mesh(), local)
+    if not split:
+        return ""
+    return (f"xla.mesh.tp={m.tp}: the tensor-parallel group of devices {split[0]} spans hosts "
+            f"({len(local)} devices per host); keep tp within one host")
+
+
+def tp_groups_across_hosts(device_mesh: np.ndarray, local: set[int]) -> list[list[int]]:
+    """The tensor-parallel groups (the mesh's last axis) that mix this host's devices (``local``)
+    with other hosts': every host checks its own, so together they check every group."""
+    groups = np.asarray(device_mesh).reshape(-1, np.asarray(device_mesh).shape[-1]).tolist()
+    return [g for g in groups if 0 < sum(d in local for d in g) < len(g)]
+
+
+def scan_problem(cfg) -> str:
+    """xla.scan_layers in SPMD needs JAX: torch_xla 2.9's scan shards its backward like its
+    forward with jax's shard_alike (``scan.py``, through ``xb.call_jax``), and fails there."""
+    import importlib.util
+    if not cfg.xla.scan_layers or all(importlib.util.find_spec(m) for m in ("jax", "torchax")):
+        return ""
+    return ("xla.scan_layers=true in xla.mode=spmd needs JAX and torchax (torch_xla's scan shards "
+            "its backward with jax): pip install 'torch_xla[pallas]==2.9.0' torchax==0.0.7, or set "
+            "xla.scan_layers=false")
+
+
+def launch_verdict(entries: list[str], data_dir: str) -> str | None:
+    """The launch decision from every process's ``"<data fingerprint>\n<problem>"``, in rank
+    order: the first problem any process reports, or different data on some, or ``None``."""
+    split = [e.split("\n", 1) + [""] for e in entries]
+    for rank, (_, problem, *_) in enumerate(split):
+        if problem:
+            return f"{problem} (found by process {rank})" if len(entries) > 1 else problem
+    odd = [rank for rank, (digest, *_) in enumerate(split) if digest != split[0][0]]
+    if odd:
+        return (f"data.dir: {data_dir}/meta.json describes other data on process(es) "
+                f"{', '.join(map(str, odd[:8]))} than on process 0: every host must train on the "
+                "same prepared data (copy the directory, or use a shared mount)")
+    return None
+
+
+def _all_gather_text(text: str, size: int = 1024) -> list[str]:
+    """Every process's ``text`` (UTF-8, at most ``size`` bytes), in rank order, over a host-side
+    gloo group (``xla://``: process count and index in SPMD, device ordinals in ddp). No
+    device work, so nothing is compiled."""
+    import torch.distributed as dist
+    import torch_xla.distributed.xla_backend  # noqa: F401  registers xla://
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method="xla://")
+    data = text.encode()[:size]
+    mine = torch.zeros(size, dtype=torch.uint8)
+    mine[:len(data)] = torch.tensor(list(data), dtype=torch.uint8)
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    return [bytes(t.tolist()).rstrip(b"\0").decode(errors="replace") for t in everyone]
+
+
+def _recompute_all_partition(joint_module, joint_inputs, *, num_fwd_outputs, **kw):
+    """A ``scan`` partition with torch.utils.checkpoint's policy: the forward keeps only the
+    layer's inputs for the backward, which recomputes everything else. Every forward op is tagged
+    MUST_RECOMPUTE for AOTAutograd's min-cut partitioner, which then can save nothing but the
+    inputs (the residual carried into the layer and the layer's parameter slices)."""
+    from functorch.compile import min_cut_rematerialization_partition
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    for node in joint_module.graph.nodes:
+        if node.op == "call_function" and "recompute" not in node.meta:
+            node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+            node.meta["ac_graph_id"] = 0  # one checkpointed region: the whole layer
+    return min_cut_rematerialization_partition(joint_module, joint_inputs,
+                                               num_fwd_outputs=num_fwd_outputs, **kw)
+
+
+class ScanBlocks:
+    """``NashMHC.blocks_fn`` for ``xla.scan_layers``: the blocks run as one XLA While loop whose
+    body is one block, so the compiled graph (and its compile time) does not grow with depth.
+
+    This is what torch_xla's ``scan_layers`` does (stack every block's parameters, call the first
+    block on each slice with ``torch.func.functional_call``, ``scan`` over the slices), written
+    against ``scan`` itself because a Block is not a carry-to-carry layer: it also takes the
+    rotary tables, which travel as per-layer inputs that are not differentiated (in the carry
+    they would be), and it returns detached stats, which are summed in the carry (``scan``'s
+    stacked outputs must be differentiable). The scanned function is cached per train/eval mode,
+    checkpointing, grad and autocast state, so ``scan``'s trace cache never mixes them.
+    """
+
+    def __init__(self, n_stats: int):
+        self.n_stats = n_stats  # length of the stats vector each block returns
+        self._fns: dict[tuple, Callable] = {}
+
+    def _layer_fn(self, block: nn.Module, checkpoint: bool) -> Callable:
+        key = (id(block), block.training, checkpoint, torch.is_grad_enabled(),
+               torch.is_autocast_enabled("xla"), torch.get_autocast_dtype("xla"))
+        fn = self._fns.get(key)
+        if fn is None:
+            with_stats = self.n_stats > 0
+
+            def fn(carry, x):
+                h, total = carry if with_stats else (carry, None)
+                weights, cos, sin = x
+                h, stats = torch.func.functional_call(block, weights, (h, cos, sin), strict=True)
+                return ((h, total + stats) if with_stats else h), None
+
+            self._fns[key] = fn
+        return fn
+
+    def __call__(self, blocks, h, cos, sin, checkpoint: bool):
+        from functorch.compile import default_partition
+        from torch_xla.experimental.scan import scan
+
+        n = len(blocks)
+        per_block = [dict(itertools.chain(b.named_parameters(), b.named_buffers())) for b in blocks]
+        weights = {k: torch.stack([w[k] for w in per_block]) for k in per_block[0]}
+        xs = (weights, cos.expand(n, *cos.shape), sin.expand(n, *sin.shape))
+        carry = (h, h.new_zeros(self.n_stats, dtype=torch.float32)) if self.n_stats else h
+        partition = _recompute_all_partition if checkpoint else default_partition
+        carry, _ = scan(self._layer_fn(blocks[0], checkpoint), carry, xs, partition_fn=partition,
+                        is_fn_pure=True)
+        if not self.n_stats:
+            return carry, h.new_zeros(0, dtype=torch.float32)
+        return carry[0], carry[1] / n
 
 
 class _DeviceBatches:
@@ -82,24 +254,43 @@ class XLABackend(Backend):
         if self.spmd:
             import torch_xla.distributed.spmd as xs
             self.xs = xs
-            n = xr.global_runtime_device_count()
+            self.mesh = build_mesh(cfg.xla.mesh)
             m = cfg.xla.mesh
-            if m.data * m.fsdp * m.tp != n:
-                raise ValueError(f"xla.mesh: data x fsdp x tp = {m.data} x {m.fsdp} x {m.tp} = "
-                                 f"{m.data * m.fsdp * m.tp}, but there are {n} devices")
-            self.mesh = xs.Mesh(np.arange(n), (m.data, m.fsdp, m.tp), ("data", "fsdp", "tp"))
+            shards = m.data * m.fsdp
+            if cfg.training.batch_size % shards:
+                # XLA would zero-pad the batch: chips would compute padding and the loss would change
+                raise ConfigError(f"training.batch_size={cfg.training.batch_size} is the global batch in "
+                                  f"xla.mode=spmd and must divide over xla.mesh data x fsdp = "
+                                  f"{m.data} x {m.fsdp} = {shards} devices")
             self.world_size, self.rank, self.is_master = 1, 0, xr.process_index() == 0
-            self.n_devices = n
+            problem = tp_problem(self.mesh, m) or scan_problem(cfg)
         else:
             self.world_size = xr.world_size()
             self.rank = xr.global_ordinal()
             self.is_master = self.rank == 0  # the global master: one writer across hosts
-            self.n_devices = self.world_size
+            problem = ""
+        self._agree_at_launch(cfg, problem)
         # Cross-process decisions (stop signals) are taken at log intervals: a rendezvous costs
         # a host round trip, which the step never pays.
         self.signal_check_interval = cfg.logging.interval
         self._specs: dict[int, tuple] = {}
         self._grad_hooks: dict[int, object] = {}
+        # Log lines run in torch_xla's asynchronous step closures; wait_host() waits for them.
+        self._host_pending = 0
+        self._host_done = threading.Condition()
+        self._host_error: BaseException | None = None
+
+    def _agree_at_launch(self, cfg, problem: str) -> None:
+        """The launch checks whose inputs differ between hosts, decided by all processes together
+        before anything compiles: the data (every host's meta.json fingerprint) and this host's
+        share of the mesh check. All refuse with the same one-line error, or none does."""
+        processes = xr.process_count() if self.spmd else self.world_size
+        meta = json.loads((Path(cfg.data.dir).expanduser() / "meta.json").read_text())
+        mine = f"{data_fingerprint(meta)}\n{problem}"
+        entries = [mine] if processes == 1 else _all_gather_text(mine)
+        verdict = launch_verdict(entries, cfg.data.dir)
+        if verdict:
+            raise ConfigError(verdict)
 
     def _init_cache(self, cache: str | None) -> None:
         if not cache:
@@ -112,7 +303,7 @@ class XLABackend(Backend):
         path.mkdir(parents=True, exist_ok=True)
         try:
             xr.initialize_cache(str(path), readonly=False)
-        except RuntimeError as e:  # already initialised in this process (tests, notebooks)
+        except AssertionError as e:  # torch_xla 2.9 asserts: already initialised (tests, notebooks)
             if "already" not in str(e).lower():
                 raise
 
@@ -121,6 +312,8 @@ class XLABackend(Backend):
         if cfg.model.activation_checkpointing:
             import torch_xla.utils.checkpoint as xcp
             model.checkpoint_fn = xcp.checkpoint
+        if cfg.xla.scan_layers:
+            model.blocks_fn = ScanBlocks(len(model.stat_names))
         model = model.to(self.device)  # NashMHC._apply re-ties the embedding and LM head on XLA
         assert not cfg.model.tie_embeddings or model.lm_head.weight is model.tok_emb.weight
         if self.spmd:
@@ -139,19 +332,26 @@ class XLABackend(Backend):
         ``xla.shard_optimizer_over_data`` over data x fsdp, the gradients too (ZeRO-2)."""
         if not self.spmd:
             return
-        over_data = self.cfg.xla.shard_optimizer_over_data and self.cfg.xla.mesh.data > 1
         for group in optimizer.param_groups:
             for p in group["params"]:
-                spec = state_partition_spec(self._specs.get(id(p)), over_data) or (None,) * p.ndim
+                spec = self._state_spec(p)
                 for v in optimizer.state[p].values():
                     if torch.is_tensor(v) and v.shape == p.shape and v.device == p.device and v.ndim:
                         self.xs.mark_sharding(v, self.mesh, spec)
-                if over_data and id(p) in self._specs and id(p) not in self._grad_hooks:
+                if self._over_data and id(p) in self._specs and id(p) not in self._grad_hooks:
                     # Annotate each gradient as autograd stores it: XLA then reduce-scatters it
                     # over data x fsdp instead of all-reducing it over data, and it stays that way
                     # between accumulation micro-steps.
                     self._grad_hooks[id(p)] = p.register_post_accumulate_grad_hook(
                         functools.partial(self._shard_grad, spec=spec))
+
+    @property
+    def _over_data(self) -> bool:
+        return self.cfg.xla.shard_optimizer_over_data and self.cfg.xla.mesh.data > 1
+
+    def _state_spec(self, p: torch.Tensor) -> tuple:
+        """The partition spec of ``p``'s gradient and optimiser state (training/sharding.py)."""
+        return state_partition_spec(self._specs.get(id(p)), self._over_data) or (None,) * p.ndim
 
     def _shard_grad(self, param: torch.Tensor, spec: tuple) -> None:
         self.xs.mark_sharding(param.grad, self.mesh, spec)
@@ -166,6 +366,15 @@ class XLABackend(Backend):
         batches.close()
 
     # -- the step ----------------------------------------------------------------------------
+    def keep_gradients(self, params, accumulation: int) -> bool:
+        if accumulation == 1:
+            return False  # gradients freed after each update: no buffer held during the forward
+        for p in params:
+            p.grad = torch.zeros_like(p)
+            if self.spmd and id(p) in self._specs:
+                self.xs.mark_sharding(p.grad, self.mesh, self._state_spec(p))
+        return True
+
     def reduce_gradients(self, optimizer) -> None:
         if not self.spmd and self.world_size > 1:
             xm.reduce_gradients(optimizer)
@@ -178,10 +387,37 @@ class XLABackend(Backend):
             return t
         return xm.all_reduce(xm.REDUCE_SUM, t, scale=1.0 / self.world_size)
 
-    def on_host(self, fn: Callable[[dict], None], tensors: dict) -> None:
-        def closure(values):
-            fn({k: float(v.cpu()) for k, v in values.items()})
-        xm.add_step_closure(closure, args=(tensors,))
+    def on_host(self, fn: Callable[..., None], values: torch.Tensor, *args) -> None:
+        """``fn(numbers, *args)`` in an asynchronous step closure: after the next sync, a
+        background thread waits for ``values`` (one device-to-host transfer) and calls ``fn``,
+        while the loop traces the next step. Closures run one at a time, in order."""
+        self._raise_host_error()
+
+        def closure(v):
+            try:
+                fn(v.cpu().tolist(), *args)
+            except BaseException as e:  # raised in the loop's thread by the next on_host/wait_host
+                self._host_error = self._host_error or e
+            finally:
+                with self._host_done:
+                    self._host_pending -= 1
+                    self._host_done.notify_all()
+
+        with self._host_done:
+            self._host_pending += 1
+        xm.add_step_closure(closure, args=(values,), run_async=True)
+
+    def wait_host(self) -> None:
+        if self._host_pending:
+            torch_xla.sync()  # closures start at a sync; a queued one must not wait forever
+        with self._host_done:
+            self._host_done.wait_for(lambda: self._host_pending == 0)
+        self._raise_host_error()
+
+    def _raise_host_error(self) -> None:
+        if self._host_error is not None:
+            e, self._host_error = self._host_error, None
+            raise e
 
     def any_process(self, flag: bool) -> bool:
         if self.spmd or self.world_size == 1:
@@ -220,20 +456,20 @@ class XLABackend(Backend):
         self.barrier()
 
     # -- reporting ---------------------------------------------------------------------------
+    @property
+    def n_devices(self) -> int:
+        return xr.global_runtime_device_count() if self.spmd else self.world_size
+
     def device_name(self) -> str:
-        kind = xr.device_type() or "XLA"
-        try:
-            attrs = xm.get_device_attributes() if hasattr(xm, "get_device_attributes") else {}
-        except Exception:
-            attrs = {}
-        desc = attrs.get("device_kind") if isinstance(attrs, dict) else None
+        kind = xm.xla_device_kind() if xr.device_type() == "TPU" else xr.device_type() or "XLA"
         mode = f"spmd mesh {tuple(self.mesh.mesh_shape)}" if self.spmd else "ddp"
-        return f"{desc or kind} ({self.n_devices} device(s), {mode})"
+        return f"{kind} ({self.n_devices} device(s), {mode})"
 
     def peak_flops(self) -> float | None:
-        if xr.device_type() == "TPU":
-            return peak_flops_for(f"TPU {self.device_name()}")
-        return None
+        """Dense bf16 peak of one chip, from the device kind ("TPU v4", "TPU v5 lite", ...)."""
+        if xr.device_type() != "TPU":
+            return None
+        return peak_flops_for(xm.xla_device_kind())
 
     def log_extras(self) -> dict:
         c = xla_counters()
