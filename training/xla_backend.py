@@ -309,7 +309,9 @@ class XLABackend(Backend):
 
     # -- set-up ------------------------------------------------------------------------------
     def prepare_model(self, model: nn.Module, cfg) -> nn.Module:
-        if cfg.model.activation_checkpointing:
+        if cfg.model.activation_checkpointing or cfg.model.loss_chunk:
+            # torch.utils.checkpoint looks for a torch.xla device module, which does not exist:
+            # torch_xla's checkpoint for the blocks and for the cross-entropy chunks.
             import torch_xla.utils.checkpoint as xcp
             model.checkpoint_fn = xcp.checkpoint
         if cfg.xla.scan_layers:
