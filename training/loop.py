@@ -28,6 +28,7 @@ from .checkpoint import (FORMAT_VERSION, CheckpointError, checkpoint_path, find_
                          load_checkpoint, rng_state, rotate, set_rng_state)
 from .config import Config, ConfigError, check_data, config_from_dict
 from .data import DataStream, TokenWindows, eval_batches
+from .hf import load_initial_weights
 from .monitor import Monitor, info
 from .optim import build_optimizer, lr_at, set_lr
 
@@ -134,6 +135,15 @@ def train(cfg: Config, backend: Backend) -> int:
     model = NashMHC(cfg.model)  # same seed on every process: identical initial weights
     state = RunState()
     resumed = resolve_resume(cfg, run_dir)
+    if resumed is not None and "optimizer" not in resumed[1]:
+        raise CheckpointError(f"{resumed[0]}: weights only (export_hf.py --import?): start a run from it "
+                              "with checkpoint.init_from")
+    if resumed is None and cfg.checkpoint.init_from:
+        init_path, init = load_initial_weights(cfg.checkpoint.init_from, warn=log)
+        check_resume_compatible(cfg, init, init_path)
+        model.load_state_dict(init["model"])
+        log(f"initial weights from {init_path}")
+        del init
     if resumed is not None:
         ckpt_path, ckpt = resumed
         check_resume_compatible(cfg, ckpt, ckpt_path)
