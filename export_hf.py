@@ -26,7 +26,7 @@ section a run config needs; `checkpoint.init_from` starts a run from it (or from
 from __future__ import annotations
 
 import argparse
-import json
+import dataclasses
 import os
 import secrets
 import shutil
@@ -34,6 +34,17 @@ import sys
 from pathlib import Path
 
 import torch
+import yaml
+
+from model import NashMHC
+from prepare_data import DataError, TokenizerSpec, install
+from training.checkpoint import FORMAT_VERSION, CheckpointError, atomic_torch_save
+from training.config import Config, ConfigError
+from training.hf import (from_llama_state_dict, llama_incompatibility, load_llama, load_training_checkpoint,
+                         max_logit_difference, model_from_checkpoint, probe_tokens, to_llama_config,
+                         to_llama_state_dict)
+
+# transformers takes seconds to import: it is imported where it is used, after the input is checked
 
 PROG = "export_hf.py"
 ROOT = Path(__file__).resolve().parent
@@ -70,8 +81,6 @@ def check_out_dir(out: Path, overwrite: bool) -> None:
 def tokenizer_spec(tok_dir: Path):
     """prepare_data.py's reading of a tokenizer directory: tokenizer.json, its special tokens and
     the transformers files to write beside it."""
-    from prepare_data import DataError, TokenizerSpec
-
     if not (tok_dir / "tokenizer.json").is_file():
         raise ExportError(f"{tok_dir}: no tokenizer.json (the run's data directory moved? pass --tokenizer DIR)")
     try:
@@ -116,10 +125,7 @@ def padded_state_dict(model, rows: int) -> dict:
 def build_hf_model(model, sd: dict, rows: int, spec):
     """The transformers model holding ``sd``: LlamaForCausalLM for the baseline, else the
     remote-code wrapper. Built on the meta device, then given the checkpoint's tensors."""
-    import dataclasses
     from transformers import GenerationConfig, LlamaForCausalLM
-
-    from training.hf import llama_incompatibility, to_llama_config, to_llama_state_dict
 
     cfg = model.config
     pad = spec.pad_id if spec.pad_id is not None else spec.eos_id
@@ -146,13 +152,6 @@ def build_hf_model(model, sd: dict, rows: int, spec):
 
 
 def export(args) -> str:
-    from transformers import LlamaForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    from prepare_data import install
-    from training.hf import (llama_incompatibility, load_training_checkpoint, max_logit_difference,
-                             model_from_checkpoint, probe_tokens)
-
     out = Path(args.out)
     check_out_dir(out, args.overwrite)
     where, ckpt = load_training_checkpoint(args.checkpoint, warn=say)
@@ -175,11 +174,14 @@ def export(args) -> str:
     step = ckpt.get("step")
     del ckpt
 
+    from transformers import LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
+
     dtype = DTYPES[args.dtype]
     hf = build_hf_model(model, padded_state_dict(model, rows), rows, spec).to(dtype)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = out.with_name(f".{out.name}.partial-{os.getpid()}-{secrets.token_hex(4)}")
-    verbosity = hf_logging.get_verbosity()
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     try:
@@ -219,7 +221,8 @@ def export(args) -> str:
         raise
     finally:
         hf_logging.set_verbosity(verbosity)
-        hf_logging.enable_progress_bar()
+        if bars:
+            hf_logging.enable_progress_bar()
     weights = sorted(p.name for p in out.glob("*.safetensors"))
     size = sum((out / w).stat().st_size for w in weights)
     return (f"wrote {out}: step {step}, {len(weights)} safetensors file(s), {size / 1e6:.1f} MB "
@@ -231,13 +234,6 @@ def export(args) -> str:
 
 
 def import_llama(args) -> str:
-    import yaml
-
-    from model import NashMHC
-    from training.checkpoint import FORMAT_VERSION, atomic_torch_save
-    from training.config import Config
-    from training.hf import from_llama_state_dict, load_llama, max_logit_difference, probe_tokens
-
     out = Path(args.paths[0])
     if out.exists() and not args.overwrite:
         raise ExportError(f"{out}: exists; pass --overwrite to replace it")
@@ -316,9 +312,6 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:  # --help
         return e.code if isinstance(e.code, int) else 0
     except Exception as e:
-        from training.checkpoint import CheckpointError
-        from training.config import ConfigError
-
         if not isinstance(e, (ExportError, CheckpointError, ConfigError, OSError)):
             raise
         msg = " ".join(str(e).split()) if not isinstance(e, OSError) or not e.filename else \

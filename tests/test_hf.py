@@ -294,6 +294,7 @@ def test_import_llama_then_train_and_resume(tmp_path, stdlib_data, llama_dir, ca
         assert (ours(x).logits - hf(x).logits).abs().max() <= 1e-4
 
     def config(run, *overrides):
+        (tmp_path / run).mkdir(exist_ok=True)
         path = tiny_config(tmp_path / run, stdlib_data)
         tree = yaml.safe_load(path.read_text())
         tree["model"] = model_section
@@ -302,7 +303,6 @@ def test_import_llama_then_train_and_resume(tmp_path, stdlib_data, llama_dir, ca
 
     want = first_batch_loss(hf, stdlib_data)
     for run, source in (("from_pt", init), ("from_hf_dir", hf_dir)):
-        (tmp_path / run).mkdir()
         cfg = config(run, "training.max_steps=4", f"checkpoint.init_from={source}")
         assert loop.train(cfg, TorchBackend("cpu")) == 0
         assert f"initial weights from {source}" in capsys.readouterr().err
@@ -322,10 +322,37 @@ def test_import_llama_then_train_and_resume(tmp_path, stdlib_data, llama_dir, ca
     for step in (3, 4):
         assert abs(after[step] - before[step]) <= 1e-6 * before[step], step
 
+    # another architecture than the weights': refused, naming the field
+    cfg = config("other", "checkpoint.resume=none", "model.d_model=32", f"checkpoint.init_from={init}")
+    with pytest.raises(CheckpointError, match="model.d_model: 64 -> 32"):
+        loop.train(cfg, TorchBackend("cpu"))
     # the file holds weights only: resuming from it is refused with a pointer to init_from
     cfg = config("from_pt", f"checkpoint.resume={init}")
     with pytest.raises(CheckpointError, match="init_from"):
         loop.train(cfg, TorchBackend("cpu"))
+
+
+def test_import_tied_llama(tmp_path):
+    from safetensors import safe_open
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from training.hf import load_initial_weights
+
+    torch.manual_seed(1)
+    hf = LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=96, num_hidden_layers=1,
+                                      num_attention_heads=2, max_position_embeddings=32,
+                                      tie_word_embeddings=True, initializer_range=0.2)).eval()
+    hf.save_pretrained(tmp_path / "llama")
+    with safe_open(tmp_path / "llama" / "model.safetensors", "pt") as f:
+        assert "lm_head.weight" not in f.keys()  # transformers writes tied weights once
+    path, init = load_initial_weights(tmp_path / "llama")
+    model = NashMHC(ModelConfig(**init["config"]["model"])).eval()
+    model.load_state_dict(init["model"])
+    assert model.config.tie_embeddings and model.config.n_kv_heads == 2
+    assert torch.equal(model.lm_head.weight, hf.lm_head.weight)
+    x = tokens(2, 32, vocab=300)
+    with torch.no_grad():
+        assert (model(x).logits - hf(x).logits).abs().max() <= 1e-4
 
 
 def test_import_refuses_what_the_baseline_cannot_represent(tmp_path, llama_dir, capsys):
@@ -338,6 +365,12 @@ def test_import_refuses_what_the_baseline_cannot_represent(tmp_path, llama_dir, 
         assert export("--import", hf_dir, tmp_path / "x.pt") == 2
         assert expect in one_error_line(capsys.readouterr().err)
     (hf_dir / "config.json").write_text(json.dumps(cfg))
+    from safetensors.torch import load_file, save_file
+    weights = load_file(hf_dir / "model.safetensors")
+    save_file({k: v for k, v in weights.items() if k != "model.layers.1.mlp.up_proj.weight"},
+              hf_dir / "model.safetensors", metadata={"format": "pt"})
+    assert export("--import", hf_dir, tmp_path / "x.pt") == 2  # transformers would fill it in at random
+    assert "model.layers.1.mlp.up_proj.weight" in one_error_line(capsys.readouterr().err)
     (hf_dir / "model.safetensors").unlink()
     assert export("--import", hf_dir, tmp_path / "x.pt") == 2
     assert "safetensors" in one_error_line(capsys.readouterr().err)

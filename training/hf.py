@@ -127,12 +127,12 @@ def from_llama_state_dict(sd: dict, cfg: ModelConfig) -> dict:
 def load_llama(path: str | Path):
     """``(ModelConfig, LlamaForCausalLM in fp32)`` of a local Llama-architecture checkpoint
     directory (config.json and safetensors: a ``.bin`` would be unpickled, so it is refused)."""
-    from transformers import AutoConfig, LlamaForCausalLM
-    from transformers.utils import logging as hf_logging
-
     path = Path(path).expanduser()
     if not (path / "config.json").is_file():
         raise CheckpointError(f"{path}: no config.json (not a Hugging Face checkpoint directory)")
+    from transformers import AutoConfig, LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
+
     try:
         hf_cfg = AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as e:  # unknown model_type, remote code, bad JSON
@@ -143,7 +143,7 @@ def load_llama(path: str | Path):
     cfg = model_config_from_llama(hf_cfg, str(path))
     if not any(path.glob("*.safetensors")):
         raise CheckpointError(f"{path}: no *.safetensors weights (pickled .bin checkpoints are not read)")
-    verbosity = hf_logging.get_verbosity()
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     try:
@@ -154,7 +154,8 @@ def load_llama(path: str | Path):
         raise CheckpointError(f"{path}: weights do not load ({_first_line(e)})") from None
     finally:
         hf_logging.set_verbosity(verbosity)
-        hf_logging.enable_progress_bar()
+        if bars:
+            hf_logging.enable_progress_bar()
     bad = {k: sorted(map(str, v))[:3] for k, v in info.items()
            if k in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs") and v}
     if bad:  # transformers would fill missing weights with random values: never start from those
