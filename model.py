@@ -529,7 +529,6 @@ class HyperConnection(nn.Module):
         self.b_pre[self.favoured] = MHC_PRE_BIAS
         self.b_post.zero_()                                      # 2 sigmoid(0) = 1
         if self.lite:
-            self.perms.copy_(permutation_matrices(n, device=self.perms.device))
             self.b_res.fill_(MHC_RES_OFF_DIAG_BIAS)
             self.b_res[0] = 0.0                                  # the identity permutation
         else:
@@ -701,7 +700,7 @@ class NashMHC(nn.Module):
 
     @torch.no_grad()
     def init_weights(self):
-        """(Re)initialise every parameter and the rotary tables; call it after ``to_empty()``.
+        """(Re)initialise every parameter and buffer; call it after ``to_empty()``.
 
         Weights N(0, init_std); the projections into the residual (wo, w2) and an untied LM head
         N(0, init_std / sqrt(2 n_layers)) (GPT-2), so the initial loss is ~ln(vocab_size).
@@ -716,9 +715,21 @@ class NashMHC(nn.Module):
                 nn.init.normal_(m.weight, 0.0, std)
             elif isinstance(m, (RMSNorm, NashAttention, HyperConnection, StreamCollapse)):
                 m.reset_parameters()
+        self.init_buffers()
+
+    @torch.no_grad()
+    def init_buffers(self):
+        """(Re)compute the non-persistent buffers: the rotary tables and the mHC-lite permutations.
+        They follow from the config and are never saved, so a model whose parameters were loaded
+        into a meta-built module (``load_state_dict(assign=True)``, transformers' from_pretrained)
+        calls this and nothing else."""
+        cfg = self.config
         cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, device=self.rope_cos.device)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
+        for m in self.modules():
+            if isinstance(m, HyperConnection) and m.lite:
+                m.perms.copy_(permutation_matrices(m.n, device=m.perms.device))
 
     def trunk(self, idx):
         """Final-normed hidden states ``[B, T, C]`` and the blocks' mean stats."""

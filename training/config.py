@@ -87,6 +87,10 @@ class CheckpointConfig:
     keep: int = _help("complete checkpoints kept (oldest deleted first)", default=3)
     resume: str = _help("auto (newest complete checkpoint in dir, if any), none, or a checkpoint path",
                         default="auto")
+    init_from: Optional[str] = _help(
+        "a run that starts from step 0 takes its weights from here: a Hugging Face Llama directory, a "
+        "file from export_hf.py --import, a checkpoint or a run directory (architecture as model:; "
+        "unused when the run resumes)", default=None)
 
 
 @dataclass

@@ -27,6 +27,7 @@ from .backend import Backend
 from .checkpoint import FORMAT_VERSION, Checkpointer, CheckpointError, rng_state, set_rng_state
 from .config import Config, ConfigError, check_data, config_from_dict
 from .data import DataStream, TokenWindows, eval_batches
+from .hf import load_initial_weights
 from .monitor import Monitor, info
 from .optim import build_optimizer, lr_at, set_lr
 
@@ -137,6 +138,15 @@ class Trainer:
         self.state = RunState()
         self.checkpointer = Checkpointer(self.run_dir, cfg.checkpoint.keep, backend, self.log_line)
         resumed = self.checkpointer.find(cfg.checkpoint.resume)
+        if resumed is not None and "optimizer" not in resumed[1]:
+            raise CheckpointError(f"{resumed[0]}: weights only (export_hf.py --import?): start a run "
+                                  "from it with checkpoint.init_from")
+        if resumed is None and cfg.checkpoint.init_from:
+            init_path, init = load_initial_weights(cfg.checkpoint.init_from, warn=self.log_line)
+            check_resume_compatible(cfg, init, init_path)
+            model.load_state_dict(init["model"])
+            self.log_line(f"initial weights from {init_path}")
+            del init
         self.finished = False
         if resumed is not None:
             ckpt_path, ckpt = resumed
