@@ -200,6 +200,7 @@ def test_chunked_cross_entropy_lowers_the_measured_peak_as_planned():
 
 
 @pytest.mark.xla
+@pytest.mark.slow  # ~40 s: two SPMD compiles on a 4-device PJRT CPU mesh
 def test_optimizer_state_and_gradients_over_data_x_fsdp():
     """xla.shard_optimizer_over_data on data 2 x fsdp 2 (4 CPU devices, the XLA backend's own
     prepare_model/prepare_optimizer): the same loss and gradients as fsdp-only sharding (to 1e-5
