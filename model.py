@@ -75,6 +75,10 @@ class ModelConfig:
     nash_pool: Literal["mean", "learned"] = _help("how a block of keys/values is compressed", "mean")
     aggregation: Literal["nash", "convex", "mean"] = _help("how the scale outputs are fused", "nash")
     activation_checkpointing: bool = _help("recompute each block in the backward pass", False)
+    loss_chunk: int = _help("sequence positions per cross-entropy chunk (0: all at once): the logits are "
+                            "made [batch, loss_chunk, vocab] at a time, dropped, and recomputed in the "
+                            "backward pass (+1/3 of the LM head's FLOPs); forward returns no logits with "
+                            "targets", 0)
 
     def __post_init__(self):
         hints = typing.get_type_hints(type(self))
@@ -101,6 +105,7 @@ class ModelConfig:
              f"mhc_lite=true needs mhc_streams <= 6 (it mixes all n! permutations), got {self.mhc_streams}")
         need(self.nash_compression >= 2, f"nash_compression={self.nash_compression} must be at least 2")
         need(self.nash_window >= 0, f"nash_window={self.nash_window} must be 0 (no window) or positive")
+        need(self.loss_chunk >= 0, f"loss_chunk={self.loss_chunk} must be 0 (no chunks) or positive")
         need(self.max_seq_len % self.coarsest_block == 0,
              f"max_seq_len={self.max_seq_len} is not a multiple of the coarsest block "
              f"nash_compression**(nash_scales-1)={self.coarsest_block}")
@@ -167,7 +172,7 @@ def _checked(name: str, value, tp):
 
 @dataclass
 class ModelOutput:
-    logits: torch.Tensor                 # [B, T, vocab]
+    logits: Optional[torch.Tensor]       # [B, T, vocab]; None when the loss was computed in chunks
     loss: Optional[torch.Tensor]         # mean cross-entropy over targets != -1, or None
     metrics: dict[str, torch.Tensor]     # detached scalars
 
@@ -623,7 +628,6 @@ class HyperConnection(nn.Module):
         self.b_pre[self.favoured] = MHC_PRE_BIAS
         self.b_post.zero_()                                      # 2 sigmoid(0) = 1
         if self.lite:
-            self.perms.copy_(permutation_matrices(n, device=self.perms.device))
             self.b_res.fill_(MHC_RES_OFF_DIAG_BIAS)
             self.b_res[0] = 0.0                                  # the identity permutation
         else:
@@ -755,7 +759,7 @@ class NashMHC(nn.Module):
 
     @torch.no_grad()
     def init_weights(self):
-        """(Re)initialise every parameter and the rotary tables; call it after ``to_empty()``.
+        """(Re)initialise every parameter and buffer; call it after ``to_empty()``.
 
         Weights N(0, init_std); the projections into the residual (wo, w2) and an untied LM head
         N(0, init_std / sqrt(2 n_layers)) (GPT-2), so the initial loss is ~ln(vocab_size).
@@ -770,9 +774,21 @@ class NashMHC(nn.Module):
                 nn.init.normal_(m.weight, 0.0, std)
             elif isinstance(m, (RMSNorm, NashAttention, HyperConnection, StreamCollapse)):
                 m.reset_parameters()
+        self.init_buffers()
+
+    @torch.no_grad()
+    def init_buffers(self):
+        """(Re)compute the non-persistent buffers: the rotary tables and the mHC-lite permutations.
+        They follow from the config and are never saved, so a model whose parameters were loaded
+        into a meta-built module (``load_state_dict(assign=True)``, transformers' from_pretrained)
+        calls this and nothing else."""
+        cfg = self.config
         cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, device=self.rope_cos.device)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
+        for m in self.modules():
+            if isinstance(m, HyperConnection) and m.lite:
+                m.perms.copy_(permutation_matrices(m.n, device=m.perms.device))
 
     def trunk(self, idx):
         """Final-normed hidden states ``[B, T, C]`` and the blocks' mean stats."""
@@ -801,14 +817,34 @@ class NashMHC(nn.Module):
         return self.norm(h[:, :T]), stats
 
     def forward(self, idx, targets=None) -> ModelOutput:
+        if targets is not None and targets.shape != idx.shape:
+            raise ValueError(f"targets shape {tuple(targets.shape)} differs from idx shape {tuple(idx.shape)}")
         x, stats = self.trunk(idx)
+        if targets is not None and self.config.loss_chunk:
+            loss = self._chunked_loss(x, targets)
+            return ModelOutput(None, loss, self._metrics(stats))
         logits = self.lm_head(x)
         loss = None
         if targets is not None:
-            if targets.shape != idx.shape:
-                raise ValueError(f"targets shape {tuple(targets.shape)} differs from idx shape {tuple(idx.shape)}")
             loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-1)
         return ModelOutput(logits, loss, self._metrics(stats))
+
+    def _chunked_loss(self, x, targets):
+        """The mean cross-entropy over targets != -1 of ``x [B, T, C]``, ``loss_chunk`` positions
+        of every sequence at a time: each chunk's logits (and their fp32 copy, log-probabilities and
+        gradient) exist only while that chunk is computed, its forward again in the backward pass
+        (checkpointed). Chunks cut the sequence axis, not the batch, so that on an SPMD mesh (the
+        batch split over data x fsdp) every chunk is spread over every device."""
+        def chunk_loss(xc, weight, tc):  # summed, so that chunks of any size add up to the mean
+            logits = F.linear(xc, weight).float()
+            return F.cross_entropy(logits.flatten(0, 1), tc.flatten(), ignore_index=-1, reduction="sum")
+
+        recompute = self.training and torch.is_grad_enabled()
+        total = x.new_zeros((), dtype=torch.float32)
+        for xc, tc in zip(x.split(self.config.loss_chunk, dim=1), targets.split(self.config.loss_chunk, dim=1)):
+            args = (chunk_loss, xc, self.lm_head.weight, tc)
+            total = total + (self.checkpoint_fn(*args) if recompute else args[0](*args[1:]))
+        return total / (targets != -1).sum()
 
     def _metrics(self, stats):
         metrics = {name: stats[i] for i, name in enumerate(self.stat_names)}

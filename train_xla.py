@@ -89,4 +89,4 @@ if __name__ == "__mp_main__":
     STOP.install()
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:], run, "train_xla.py"))
+    sys.exit(main(sys.argv[1:], run, "train_xla.py", entry="xla"))

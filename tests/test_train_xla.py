@@ -32,8 +32,11 @@ def test_twins_give_the_same_losses(tmp_path, stdlib_data):
     assert "no TPU found: using PJRT_DEVICE=CPU" not in run(["train_xla.py", "--help"]).stderr
 
 
-@pytest.mark.parametrize("mesh", [(2, 2, 1), (1, 2, 2)])
-def test_spmd_mesh_matches_one_device(tmp_path, stdlib_data, mesh):
+# data 2: gradients and optimiser state over data x fsdp (xla.shard_optimizer_over_data, on by
+# default); the second mesh also takes the cross-entropy in chunks of 12 of the 32 positions
+# (model.loss_chunk), against train.py's whole cross-entropy.
+@pytest.mark.parametrize("mesh, loss_chunk", [((2, 2, 1), 0), ((1, 2, 2), 12)])
+def test_spmd_mesh_matches_one_device(tmp_path, stdlib_data, mesh, loss_chunk):
     one, spmd = tmp_path / "one", tmp_path / "spmd"
     one.mkdir(), spmd.mkdir()
     over = {"training.batch_size": 8, "evaluation.interval": 0, "checkpoint.interval": 0}
@@ -41,7 +44,7 @@ def test_spmd_mesh_matches_one_device(tmp_path, stdlib_data, mesh):
     assert r.returncode == 0, r.stderr[-3000:]
     d, f, t = mesh
     r = run(["train_xla.py", str(tiny_config(spmd, stdlib_data, **over)), "xla.mode=spmd",
-             f"xla.mesh.data={d}", f"xla.mesh.fsdp={f}", f"xla.mesh.tp={t}"],
+             f"xla.mesh.data={d}", f"xla.mesh.fsdp={f}", f"xla.mesh.tp={t}", f"model.loss_chunk={loss_chunk}"],
             env={**ENV, "CPU_NUM_DEVICES": "4"})
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"4 device(s), spmd mesh ({d}, {f}, {t})" in r.stderr

@@ -87,6 +87,10 @@ class CheckpointConfig:
     keep: int = _help("complete checkpoints kept (oldest deleted first)", default=3)
     resume: str = _help("auto (newest complete checkpoint in dir, if any), none, or a checkpoint path",
                         default="auto")
+    init_from: Optional[str] = _help(
+        "a run that starts from step 0 takes its weights from here: a Hugging Face Llama directory, a "
+        "file from export_hf.py --import, a checkpoint or a run directory (architecture as model:; "
+        "unused when the run resumes)", default=None)
 
 
 @dataclass
@@ -127,6 +131,9 @@ class XLAConfig:
         default="ddp")
     mesh: MeshConfig = field(default_factory=MeshConfig,
                              metadata={"help": "SPMD mesh; data x fsdp x tp must equal the device count"})
+    shard_optimizer_over_data: bool = _help(
+        "spmd: shard gradients and optimiser state over data x fsdp (ZeRO-2) instead of replicating "
+        "them over data: 1/data of their memory for the same traffic", default=True)
     compile_cache: Optional[str] = _help(
         "persistent XLA compilation cache directory (one subdirectory per process); empty disables",
         default="~/.cache/nash_mhc/xla")

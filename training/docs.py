@@ -1,23 +1,44 @@
-"""Regenerate the configuration reference in README.md from the schema.
+"""Regenerate the generated parts of README.md: the configuration reference (from the schema) and
+the plan of the 3B config (``train_xla.py configs/nash_mhc_3b.yaml --plan --device-kind v4``).
 
-    python -m training.docs          # rewrite the block between the markers
+    python -m training.docs          # rewrite the blocks between the markers
     python -m training.docs --check  # exit 1 if README.md is stale (the test suite checks this too)
 """
+import io
 import sys
 from pathlib import Path
 
 from .config import schema_markdown
 
 BEGIN, END = "<!-- config-reference:begin -->", "<!-- config-reference:end -->"
-README = Path(__file__).resolve().parents[1] / "README.md"
+PLAN_BEGIN, PLAN_END = "<!-- plan-3b:begin -->", "<!-- plan-3b:end -->"
+PLAN_ARGS = ["configs/nash_mhc_3b.yaml", "--plan", "--device-kind", "v4"]
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
 
 
-def render(text: str) -> str:
-    if BEGIN not in text or END not in text:
-        raise SystemExit(f"{README}: markers {BEGIN} ... {END} not found")
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    return f"{head}{BEGIN}\n{schema_markdown()}{END}{tail}"
+def plan_block() -> str:
+    """The 3B plan as README shows it: the command and its output."""
+    from .config import load_config
+    from .plan import run_plan
+
+    out = io.StringIO()
+    cfg = load_config(ROOT / PLAN_ARGS[0])
+    run_plan(cfg, "xla", PLAN_ARGS[0], PLAN_ARGS[3], 0.4, None, None, 0.1, out=out)
+    return f"```\n$ python train_xla.py {' '.join(PLAN_ARGS)}\n{out.getvalue().rstrip()}\n```\n"
+
+
+def _replace(text: str, begin: str, end: str, body: str) -> str:
+    if begin not in text or end not in text:
+        raise SystemExit(f"{README}: markers {begin} ... {end} not found")
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    return f"{head}{begin}\n{body}{end}{tail}"
+
+
+def render(text: str, plan: bool = True) -> str:
+    text = _replace(text, BEGIN, END, schema_markdown())
+    return _replace(text, PLAN_BEGIN, PLAN_END, plan_block()) if plan else text
 
 
 def main() -> int:
@@ -25,7 +46,7 @@ def main() -> int:
     new = render(text)
     if "--check" in sys.argv[1:]:
         if new != text:
-            print(f"{README} config reference is stale: run python -m training.docs", file=sys.stderr)
+            print(f"{README} is stale: run python -m training.docs", file=sys.stderr)
             return 1
         return 0
     if new != text:

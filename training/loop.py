@@ -27,6 +27,7 @@ from .backend import Backend
 from .checkpoint import FORMAT_VERSION, Checkpointer, CheckpointError, rng_state, set_rng_state
 from .config import Config, ConfigError, check_data, config_from_dict
 from .data import DataStream, TokenWindows, eval_batches
+from .hf import load_initial_weights
 from .monitor import Monitor, info
 from .optim import build_optimizer, lr_at, set_lr
 
@@ -98,7 +99,8 @@ def check_resume_compatible(cfg: Config, ckpt: dict, path: Path) -> None:
     if saved != cfg.model:
         diff = [f"model.{k}: {getattr(saved, k)!r} -> {getattr(cfg.model, k)!r}"
                 for k in cfg.model.__dataclass_fields__ if getattr(saved, k) != getattr(cfg.model, k)]
-        structural = [d for d in diff if not d.startswith(("model.dropout", "model.activation_checkpointing"))]
+        structural = [d for d in diff if not d.startswith(("model.dropout", "model.activation_checkpointing",
+                                                           "model.loss_chunk"))]
         if structural:
             raise CheckpointError(f"{path}: model config differs from the checkpoint's ({'; '.join(structural)})")
 
@@ -136,6 +138,15 @@ class Trainer:
         self.state = RunState()
         self.checkpointer = Checkpointer(self.run_dir, cfg.checkpoint.keep, backend, self.log_line)
         resumed = self.checkpointer.find(cfg.checkpoint.resume)
+        if resumed is not None and "optimizer" not in resumed[1]:
+            raise CheckpointError(f"{resumed[0]}: weights only (export_hf.py --import?): start a run "
+                                  "from it with checkpoint.init_from")
+        if resumed is None and cfg.checkpoint.init_from:
+            init_path, init = load_initial_weights(cfg.checkpoint.init_from, warn=self.log_line)
+            check_resume_compatible(cfg, init, init_path)
+            model.load_state_dict(init["model"])
+            self.log_line(f"initial weights from {init_path}")
+            del init
         self.finished = False
         if resumed is not None:
             ckpt_path, ckpt = resumed
@@ -243,6 +254,7 @@ class Trainer:
             with backend.no_sync(self.train_model, last_micro_step=micro == accum - 1):
                 with backend.autocast(self.amp_dtype):
                     out = self.train_model(x, y)
+                out.logits = None  # [batch, seq, vocab], unused: free it now (and keep it out of XLA's outputs)
                 (out.loss / accum).backward()
             micro_losses.append(out.loss.detach().float())
         backend.sync()  # XLA: the update is its own graph, the same for every accumulation
@@ -426,19 +438,56 @@ def _yaml(tree: dict) -> str:
     return yaml.safe_dump(tree, sort_keys=False, default_flow_style=None).rstrip()
 
 
-def main(argv: list[str] | None, make_backend, prog: str) -> int:
-    """Command-line entry shared by train.py and train_xla.py: config errors are one line, exit 2."""
+def main(argv: list[str] | None, make_backend, prog: str, entry: str = "torch") -> int:
+    """Command-line entry shared by train.py and train_xla.py (``entry`` "torch" or "xla"): config
+    errors are one line, exit 2. ``--plan`` prints the memory and time plan instead of training
+    (training/plan.py): exit 0 if it fits, 1 if not."""
     import argparse
     from .config import load_config
 
     parser = argparse.ArgumentParser(prog=prog, description="Train a Nash-MHC transformer.")
     parser.add_argument("config", help="YAML config (see configs/)")
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
-    args = parser.parse_args(argv)
+    plan = parser.add_argument_group("plan (nothing is allocated, no device or data needed)")
+    plan.add_argument("--plan", action="store_true",
+                      help="print per-chip memory by part and the time to the token budget, then exit: "
+                           "0 if it fits, 1 if not")
+    plan.add_argument("--device-kind", help="v6e, v5p, v5e, v4 (train_xla.py); h100, h200, a100, "
+                                            "a100-40 (train.py); cpu (default: the accelerator here)")
+    plan.add_argument("--mfu", default="0.4", help="assumed model FLOPs utilisation (default 0.4)")
+    plan.add_argument("--world-size", help="replicas (train.py, ddp): default WORLD_SIZE or 1")
+    plan.add_argument("--margin", default="0.1", help="share of the chip's memory kept free (default 0.1)")
+    plan.add_argument("--usd-per-chip-hour", help="price, to turn chip-hours into dollars")
+    args = parser.parse_intermixed_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
+        if args.plan:
+            from .plan import run_plan
+            return run_plan(cfg, entry, args.config, args.device_kind, _number(args.mfu, "--mfu", 0, 1),
+                            _number(args.world_size, "--world-size", 0, None, int),
+                            _number(args.usd_per_chip_hour, "--usd-per-chip-hour", 0, None),
+                            _number(args.margin, "--margin", 0, 1, lo_open=False))
+        extra = [f for f in ("device_kind", "world_size", "usd_per_chip_hour") if getattr(args, f) is not None]
+        if extra:
+            raise ConfigError(f"--{extra[0].replace('_', '-')} is a --plan option")
         check_data(cfg)
         return make_backend(cfg)
     except (ConfigError, CheckpointError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
+
+
+def _number(text, flag: str, lo, hi, kind=float, lo_open: bool = True):
+    """``text`` as a ``kind`` in (lo, hi] (``[lo, hi)`` without ``lo_open``), or a ConfigError; None stays None."""
+    if text is None:
+        return None
+    try:
+        value = kind(text)
+    except ValueError:
+        raise ConfigError(f"{flag} {text!r}: expected {'an integer' if kind is int else 'a number'}") from None
+    low_ok = value > lo if lo_open else value >= lo
+    high_ok = hi is None or (value <= hi if lo_open else value < hi)
+    if not (low_ok and high_ok and math.isfinite(value)):
+        rng = f"{'(' if lo_open else '['}{lo}, {hi if hi is not None else 'inf'}{']' if lo_open else ')'}"
+        raise ConfigError(f"{flag} {text!r}: expected a value in {rng}")
+    return value

@@ -19,6 +19,7 @@ before anything compiles, decided by all hosts together.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import os
@@ -41,11 +42,7 @@ from .config import ConfigError
 from .data import data_fingerprint
 from .monitor import peak_flops_for
 from .optim import AdamW
-
-# Column-parallel projections (output features split over tp) and row-parallel ones (input
-# features split over tp), by module name (model.py's naming contract).
-COLUMN_PARALLEL = ("wq", "wk", "wv", "w1", "w3")
-ROW_PARALLEL = ("wo", "w2")
+from .sharding import param_partition_spec, state_partition_spec
 
 
 def xla_counters() -> dict:
@@ -157,18 +154,6 @@ def _all_gather_text(text: str, size: int = 1024) -> list[str]:
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, mine)
     return [bytes(t.tolist()).rstrip(b"\0").decode(errors="replace") for t in everyone]
-
-
-def param_partition_spec(name: str, p: torch.Tensor) -> tuple | None:
-    """The SPMD partition spec of a parameter (``None``: replicated)."""
-    if p.ndim != 2:
-        return None  # norms, gates, biases, scalars: tiny, replicated
-    module = name.split(".")[-2] if "." in name else name
-    if module in COLUMN_PARALLEL:
-        return ("tp", "fsdp")
-    if module in ROW_PARALLEL:
-        return ("fsdp", "tp")
-    return ("fsdp", None)  # embeddings, mHC projections, pooling: FSDP only
 
 
 def _recompute_all_partition(joint_module, joint_inputs, *, num_fwd_outputs, **kw):
@@ -313,6 +298,7 @@ class XLABackend(Backend):
         # a host round trip, which the step never pays.
         self.signal_check_interval = cfg.logging.interval
         self._specs: dict[int, tuple] = {}
+        self._grad_hooks: dict[int, object] = {}
         # Log lines run in torch_xla's asynchronous step closures; wait_host() waits for them.
         self._host_pending = 0
         self._host_done = threading.Condition()
@@ -347,7 +333,9 @@ class XLABackend(Backend):
 
     # -- set-up ------------------------------------------------------------------------------
     def prepare_model(self, model: nn.Module, cfg) -> nn.Module:
-        if cfg.model.activation_checkpointing:
+        if cfg.model.activation_checkpointing or cfg.model.loss_chunk:
+            # torch.utils.checkpoint looks for a torch.xla device module, which does not exist:
+            # torch_xla's checkpoint for the blocks and for the cross-entropy chunks.
             import torch_xla.utils.checkpoint as xcp
             model.checkpoint_fn = xcp.checkpoint
         if cfg.xla.scan_layers:
@@ -371,15 +359,33 @@ class XLABackend(Backend):
         return AdamW  # no fused kernel on XLA: the tensor-op AdamW, same state layout
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """SPMD: create the optimiser state now, sharded like its parameter (FSDP)."""
+        """SPMD: shard the optimiser state like its parameter (FSDP), and with
+        ``xla.shard_optimizer_over_data`` over data x fsdp, the gradients too (ZeRO-2)."""
         if not self.spmd:
             return
         for group in optimizer.param_groups:
             for p in group["params"]:
-                spec = self._specs.get(id(p), (None,) * p.ndim)
+                spec = self._state_spec(p)
                 for v in optimizer.state[p].values():
                     if torch.is_tensor(v) and v.shape == p.shape and v.device == p.device and v.ndim:
                         self.xs.mark_sharding(v, self.mesh, spec)
+                if self._over_data and id(p) in self._specs and id(p) not in self._grad_hooks:
+                    # Annotate each gradient as autograd stores it: XLA then reduce-scatters it
+                    # over data x fsdp instead of all-reducing it over data, and it stays that way
+                    # between accumulation micro-steps.
+                    self._grad_hooks[id(p)] = p.register_post_accumulate_grad_hook(
+                        functools.partial(self._shard_grad, spec=spec))
+
+    @property
+    def _over_data(self) -> bool:
+        return self.cfg.xla.shard_optimizer_over_data and self.cfg.xla.mesh.data > 1
+
+    def _state_spec(self, p: torch.Tensor) -> tuple:
+        """The partition spec of ``p``'s gradient and optimiser state (training/sharding.py)."""
+        return state_partition_spec(self._specs.get(id(p)), self._over_data) or (None,) * p.ndim
+
+    def _shard_grad(self, param: torch.Tensor, spec: tuple) -> None:
+        self.xs.mark_sharding(param.grad, self.mesh, spec)
 
     def batches(self, iterable):
         kw = {}
@@ -397,7 +403,7 @@ class XLABackend(Backend):
         for p in params:
             p.grad = torch.zeros_like(p)
             if self.spmd and id(p) in self._specs:
-                self.xs.mark_sharding(p.grad, self.mesh, self._specs[id(p)])
+                self.xs.mark_sharding(p.grad, self.mesh, self._state_spec(p))
         return True
 
     def reduce_gradients(self, optimizer) -> None:

@@ -1,0 +1,337 @@
+"""--plan (training/plan.py): the traced memory model against measured CPU steps, its shortcuts
+against direct traces, the levers (chunked cross-entropy, ZeRO-style sharding) measured for memory
+and loss, the command line, and every shipped config and README slice."""
+from __future__ import annotations
+
+import dataclasses
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from bench.plan import D512, DEMO, ZERO_MODEL, measure_step_peak, small_config, zero_config, zero_runs
+from model import ModelConfig, NashMHC
+from training import plan as P
+from training.config import load_config
+from training.loop import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def plan_main(capsys, *argv, entry="xla"):
+    """train_xla.py / train.py ARGV in this process: (exit code, stdout, stderr)."""
+    prog = "train_xla.py" if entry == "xla" else "train.py"
+    code = main(list(map(str, argv)), lambda cfg: pytest.fail("--plan started training"), prog, entry)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+# -- the memory model against the allocator ------------------------------------------------------
+
+@pytest.mark.parametrize("model", [DEMO, D512], ids=["demo", "d512"])
+@pytest.mark.parametrize("streams", [1, 4])
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["no-ckpt", "ckpt"])
+def test_predicted_step_peak_is_the_measured_one(model, streams, checkpointing):
+    """The peak of a real CPU step, counted by the allocator (torch.profiler's memory events),
+    against the planner's trace of the same step on fake tensors. The issue asks for 20%; the
+    trace replays the same ops with the same lifetimes, and bench/plan.py measures 0.1%."""
+    cfg = small_config(dict(model, mhc_streams=streams, activation_checkpointing=checkpointing))
+    measured = measure_step_peak(cfg)
+    predicted = P.predict_step_peak(cfg)
+    assert abs(predicted / measured - 1) < 0.2, (predicted, measured)
+
+
+def test_xla_prediction_counts_attention_scores_as_the_math_path_makes_them():
+    """For TPUs the plan runs attention as ATen's math path (what XLA lowers it to): checked on the
+    CPU against a real step on that path, with the tensor-op AdamW the XLA backend uses."""
+    cfg = small_config(dict(DEMO, mhc_streams=4))
+    measured = measure_step_peak(cfg, entry="xla")
+    predicted = P.predict_step_peak(cfg, entry="xla")
+    assert abs(predicted / measured - 1) < 0.2, (predicted, measured)
+    assert measured > measure_step_peak(cfg)  # the scores cost memory a fused kernel does not
+
+
+def _phases(trace, layout):
+    per_chip = trace.per_chip(layout)
+    return {P.PHASES[p]: per_chip[trace.phases == p] for p in set(trace.phases.tolist())}
+
+
+@pytest.mark.parametrize("over", [
+    dict(),
+    dict(activation_checkpointing=True),
+    dict(activation_checkpointing=True, gradient_accumulation_steps=2, precision="bf16"),
+    dict(mhc_streams=1, loss_chunk=48, precision="bf16"),
+], ids=["plain", "ckpt", "ckpt-accum-bf16", "1-stream-chunked-bf16"])
+@pytest.mark.parametrize("evaluation", [False, True], ids=["train", "eval"])
+def test_deepened_trace_equals_a_direct_trace(over, evaluation):
+    """Three traced blocks stretched to eight give, op by op, the memory of tracing all eight:
+    equal in the backward pass, a few bytes per block apart in the forward (the blocks' stats,
+    stacked at the end, are 20 bytes each); the optimiser's per-tensor ops are not repeated, and
+    its peak is the same."""
+    training = {k: over.pop(k) for k in ("gradient_accumulation_steps", "precision") if k in over}
+    cfg = small_config(dict(DEMO, n_layers=8, **over), batch=2, seq=64, **training)
+    device = P.device_for("v4", "xla")
+    layout = dataclasses.replace(P.layout_for(cfg, "xla", None), mode="spmd",
+                                 mesh={"data": 1, "fsdp": 2, "tp": 1})
+    deep = _phases(P.trace_step(cfg, layout, device, evaluation=evaluation), layout)
+    direct = _phases(P.trace_step(cfg, layout, device, evaluation=evaluation, deepen=False), layout)
+    assert deep.keys() == direct.keys()
+    for phase in deep:
+        if phase == "optimizer":
+            assert abs(deep[phase].max() - direct[phase].max()) <= 1024
+            continue
+        assert deep[phase].shape == direct[phase].shape, phase
+        assert np.abs(deep[phase] - direct[phase]).max() <= (0 if phase == "backward" else 1024), phase
+
+
+def test_sharded_state_is_divided_and_activations_are_not():
+    """On an SPMD mesh the weights, gradients and optimiser state per chip are the whole model's
+    divided by the sharding rule (training/sharding.py), shard by shard; activations depend only on
+    the per-chip batch."""
+    cfg = small_config(dict(DEMO, n_layers=2), batch=8, seq=64)
+    device = P.device_for("v4", "xla")
+    with torch.device("meta"):
+        model = NashMHC(cfg.model)
+    one = P.Layout("xla", "spmd", {"data": 1, "fsdp": 1, "tp": 1}, 1, 1, 2, zero=False)
+    many = P.Layout("xla", "spmd", {"data": 2, "fsdp": 4, "tp": 2}, 16, 1, 2, zero=True)
+    trace = P.trace_step(cfg, one, device)
+    a, b = P.peak_of(trace, one), P.peak_of(trace, many)
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    from training.sharding import param_partition_spec, shard_factor, state_partition_spec
+    sharded = sum(p.numel() * 4 / shard_factor(param_partition_spec(n, p), many.mesh)
+                  for n, p in model.named_parameters())
+    state = sum(p.numel() * 4 / shard_factor(state_partition_spec(param_partition_spec(n, p), True), many.mesh)
+                for n, p in model.named_parameters())
+    buffers = sum(b.numel() * 4 for b in model.buffers())
+    assert a.parts["weights (fp32)"] == weights + buffers
+    assert b.parts["weights (fp32)"] == pytest.approx(sharded + buffers)
+    steps = 4 * sum(1 for _ in model.parameters())  # AdamW's 0-dim step counters, replicated
+    assert b.parts["optimizer state"] == pytest.approx(2 * state + steps)
+    for part in ("saved activations", "backward temporaries, recompute", "input batches"):
+        assert a.parts[part] == b.parts[part], part
+    # a weight meeting activations is all-gathered for that op: nothing to gather on one chip
+    assert (trace.gathered @ trace.scales(one)[1]).max() == 0
+    assert (trace.gathered @ trace.scales(many)[1]).max() > 0
+
+
+def test_scan_layers_adds_the_stacked_block_weights_and_their_gradient():
+    """xla.scan_layers stacks the blocks' weights into [n_layers, ...] tensors for the loop, and
+    its backward makes their stacked gradient: the training peak grows by one to two stacked
+    copies (sharded like the weights), the evaluation peak by one."""
+    cfg = small_config(dict(DEMO, n_layers=5), batch=2, seq=64)
+    device = P.device_for("v4", "xla")
+    layout = dataclasses.replace(P.layout_for(cfg, "xla", None), mode="spmd",
+                                 mesh={"data": 1, "fsdp": 2, "tp": 1})
+    with torch.device("meta"):
+        model = NashMHC(cfg.model)
+    stacked = sum(p.numel() * 4 / layout.param_factor(P.param_partition_spec(n, p))
+                  for n, p in model.named_parameters() if n.startswith("blocks."))
+    scan = dataclasses.replace(cfg, xla=dataclasses.replace(cfg.xla, scan_layers=True))
+    for evaluation, lo, hi in ((False, 1, 2), (True, 1, 1)):
+        off = P.peak_of(P.trace_step(cfg, layout, device, evaluation=evaluation), layout).total
+        on = P.peak_of(P.trace_step(scan, layout, device, evaluation=evaluation), layout).total
+        assert lo * stacked - 1024 <= on - off <= hi * stacked + 1024, (evaluation, on - off, stacked)
+
+
+# -- levers ------------------------------------------------------------------------------------
+
+CE_MODEL = ModelConfig(vocab_size=97, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, max_seq_len=64,
+                       mhc_streams=2, nash_scales=2, nash_window=8, tie_embeddings=False)
+
+
+def _batch():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 97, (3, 40), generator=g)
+    y = torch.randint(0, 97, (3, 40), generator=g)
+    y[0, :5] = -1
+    y[2, 30:] = -1
+    return x, y
+
+
+def _loss_and_grads(mcfg: ModelConfig, train: bool = True):
+    torch.manual_seed(0)
+    model = NashMHC(mcfg).train(train)
+    x, y = _batch()
+    loss = model(x, y).loss
+    if not train:
+        return loss.detach(), None
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 32, 120, 500])
+def test_chunked_cross_entropy_is_torchs_cross_entropy(chunk):
+    """Any chunk size (dividing the 40 positions or not, or larger) gives F.cross_entropy's mean over
+    the targets that are not -1 on the whole logits, and the same gradients (fp32 sums in another
+    order: 1e-5), in training (checkpointed chunks) and in evaluation."""
+    torch.manual_seed(0)
+    model = NashMHC(CE_MODEL)
+    x, y = _batch()
+    with torch.no_grad():
+        h, _ = model.trunk(x)
+        ref = F.cross_entropy(model.lm_head(h).flatten(0, 1), y.flatten(), ignore_index=-1)
+    chunked = dataclasses.replace(CE_MODEL, loss_chunk=chunk)
+    ref_loss, ref_grads = _loss_and_grads(CE_MODEL)
+    loss, grads = _loss_and_grads(chunked)
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=0)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
+    for name in ref_grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-5, atol=1e-7, msg=name)
+    torch.testing.assert_close(_loss_and_grads(chunked, train=False)[0], ref, rtol=1e-5, atol=0)
+
+
+def test_chunked_cross_entropy_lowers_the_measured_peak_as_planned():
+    """A vocabulary-heavy model (the 3B config's shape in small): chunked, the step's measured peak
+    drops by most of the [tokens, vocab] tensors, and the plan predicts both peaks."""
+    base = dict(D512, vocab_size=16384, n_layers=1, mhc_streams=4)
+    whole, chunked = small_config(base), small_config(dict(base, loss_chunk=32))  # 4 x 32 tokens
+    m_whole, m_chunked = measure_step_peak(whole), measure_step_peak(chunked)
+    p_whole, p_chunked = P.predict_step_peak(whole), P.predict_step_peak(chunked)
+    logits = 4 * 256 * 16384 * 4  # one fp32 [tokens, vocab] tensor
+    assert m_whole - m_chunked > logits
+    assert abs((p_whole - p_chunked) / (m_whole - m_chunked) - 1) < 0.2
+    for predicted, measured in ((p_whole, m_whole), (p_chunked, m_chunked)):
+        assert abs(predicted / measured - 1) < 0.2
+
+
+@pytest.mark.xla
+@pytest.mark.slow  # ~40 s: two SPMD compiles on a 4-device PJRT CPU mesh
+def test_optimizer_state_and_gradients_over_data_x_fsdp():
+    """xla.shard_optimizer_over_data on data 2 x fsdp 2 (4 CPU devices, the XLA backend's own
+    prepare_model/prepare_optimizer): the same loss and gradients as fsdp-only sharding (to 1e-5
+    of the largest gradient: some gradients are rounding noise of 1e-13 at initialisation, where
+    eager CPU and fsdp-only differ too), half the gradient and optimiser-state bytes per device,
+    and the bytes the planner predicts for that mesh. Training runs with it on: test_train_xla.py's
+    data 2 x fsdp 2 mesh against one device."""
+    fsdp_only, zero = zero_runs()
+    assert zero["loss"] == pytest.approx(fsdp_only["loss"], rel=1e-6)
+    # The two shardings reduce the same fp32 gradients in another order (a reduce-scatter over
+    # data x fsdp against a reduce-scatter over fsdp and an all-reduce over data): a difference of
+    # a few ulps of the largest gradient entries. A relative tolerance alone fails on the gradients
+    # that are zero in exact arithmetic at initialisation and come out as rounding noise (1e-13)
+    # whose value depends on that order; the absolute floor is that rounding scale, 1e-5 of the
+    # largest gradient norm (fp32 eps 1.2e-7 times a few additions, with room).
+    np.testing.assert_allclose(zero["grad_norms"], fsdp_only["grad_norms"], rtol=1e-5,
+                               atol=1e-5 * max(fsdp_only["grad_norms"]))
+    assert zero["param_bytes"] == fsdp_only["param_bytes"]
+    for key in ("grad_bytes", "state_bytes"):
+        assert zero[key] < 0.6 * fsdp_only[key], key  # 1/2, but 1-D tensors stay replicated
+    for run, over in ((fsdp_only, False), (zero, True)):
+        cfg = zero_config(over)
+        layout = P.layout_for(cfg, "xla", None)
+        assert layout.zero == over
+        peak = P.peak_of(P.trace_step(cfg, layout, P.device_for("cpu", "xla")), layout)
+        assert peak.parts["weights (fp32)"] == pytest.approx(run["param_bytes"] + _buffers(cfg), rel=0.02)
+        # the optimiser's step counters are 0-dim tensors the measurement leaves out
+        assert peak.parts["optimizer state"] == pytest.approx(run["state_bytes"], rel=0.02)
+
+
+def _buffers(cfg) -> int:
+    with torch.device("meta"):
+        return sum(b.numel() * b.element_size() for b in NashMHC(cfg.model).buffers())
+
+
+# -- the command line --------------------------------------------------------------------------
+
+def test_plan_of_a_config_that_does_not_fit_offers_levers_that_make_it_fit(capsys, tmp_path):
+    """Exit 1, the levers in order; applying the last line's overrides gives a plan that fits, at
+    the memory the lever announced."""
+    cfg = ROOT / "configs" / "demo.yaml"
+    code, out, _ = plan_main(capsys, cfg, "--plan", "--device-kind", "v5e", "--margin", "0.996")
+    assert code == 1 and "does not fit" in out, out
+    levers = [line.split() for line in out.splitlines() if line.startswith("  ") and "=" in line.split()[0]]
+    assert any("model.loss_chunk" in w[0] for w in levers)
+    fitting = [w for w in levers if "fits" in w]
+    assert fitting, out
+    overrides = [w for lever in levers[:levers.index(fitting[0]) + 1] for w in lever if "=" in w]
+    unit = next(i for i, w in enumerate(fitting[0]) if w in ("GiB", "MiB"))
+    announced = f"fits: {fitting[0][unit - 1]} {fitting[0][unit]} of"
+    code, out, _ = plan_main(capsys, cfg, *overrides, "--plan", "--device-kind", "v5e", "--margin", "0.996")
+    assert code == 0 and announced in out, (announced, out)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--device-kind", "v7"], "--device-kind 'v7': expected one of"),
+    (["--device-kind", "h100"], "train_xla.py plans for TPUs"),
+    (["--mfu", "0"], "--mfu '0': expected a value in (0, 1]"),
+    (["--mfu", "fast"], "--mfu 'fast': expected a number"),
+    (["--margin", "1"], "--margin '1': expected a value in [0, 1)"),
+    (["--device-kind", "v4", "--world-size", "3"], "--world-size 3: the SPMD mesh"),
+    (["training.batch_sise=2"], "did you mean 'training.batch_size'"),
+])
+def test_plan_bad_input_is_one_line_and_exit_2(capsys, argv, message):
+    code, out, err = plan_main(capsys, ROOT / "configs" / "nash_mhc_3b.yaml", "--plan", *argv)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and message in err, err
+
+
+def test_plan_options_without_plan_are_refused(capsys):
+    code, _, err = plan_main(capsys, ROOT / "configs" / "demo.yaml", "--device-kind", "v4")
+    assert code == 2 and "--device-kind is a --plan option" in err
+
+
+CONFIG_TARGETS = {  # config -> (entry, device kinds it is meant for)
+    "demo.yaml": ("xla", ["v6e", "cpu"]),
+    "demo_baseline.yaml": ("xla", ["v6e"]),
+    "small_gpu.yaml": ("torch", ["h100", "a100"]),  # 80 GB: a 40 GB A100 needs the levers --plan lists
+    "small_gpu_baseline.yaml": ("torch", ["h100"]),
+    "nash_mhc_3b.yaml": ("xla", ["v4"]),
+}
+
+
+def test_every_shipped_config_has_a_target():
+    assert sorted(p.name for p in (ROOT / "configs").glob("*.yaml")) == sorted(CONFIG_TARGETS)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIG_TARGETS))
+def test_every_shipped_config_fits_its_target(capsys, name):
+    entry, kinds = CONFIG_TARGETS[name]
+    for kind in kinds:
+        code, out, err = plan_main(capsys, ROOT / "configs" / name, "--plan", "--device-kind", kind, entry=entry)
+        assert code == 0 and "\nfits: " in out, out + err
+        for part in ("weights (fp32)", "gradients", "optimizer state", "saved activations", "input batches",
+                     "tokens per step", "time to budget" if kind != "cpu" else "no peak FLOP/s"):
+            assert part in out, part
+
+
+README_SLICES = re.compile(r"^\| (?:\d+ × )?(v\w+)-\d+[^|]*\| (\d+) chips?[^|]*\| 3B[^|]*\| (.*) \|$", re.MULTILINE)
+
+
+def test_readme_slice_table_fits_as_stated():
+    """Every 3B row of the README's slice table, with the settings it states, has as many chips as
+    its mesh and fits them."""
+    readme = (ROOT / "README.md").read_text()
+    rows = README_SLICES.findall(readme)
+    assert len(rows) >= 5, rows
+    for kind, chips, settings in rows:
+        overrides = re.findall(r"`([\w.]+=[\w.]+)`", settings)
+        cfg = load_config(ROOT / "configs" / "nash_mhc_3b.yaml", overrides)
+        m = cfg.xla.mesh
+        assert m.data * m.fsdp * m.tp == int(chips), (kind, overrides)
+        plan, _ = P.make_plan(cfg, "xla", P.device_for(kind, "xla"))
+        assert plan.fits, (kind, overrides, plan.peak / P.GiB)
+
+
+def test_readme_shows_the_current_plan_of_the_3b_config(capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    code, out, _ = plan_main(capsys, "configs/nash_mhc_3b.yaml", "--plan", "--device-kind", "v4")
+    assert code == 0
+    assert out.strip() in (ROOT / "README.md").read_text(), \
+        "README's plan of the 3B config is stale: run `python -m training.docs`"
+
+
+@pytest.mark.slow
+def test_plan_command_line(tmp_path):
+    """The real command: no device, no data directory, nothing allocated beyond the interpreter."""
+    r = subprocess.run([sys.executable, "train.py", "configs/small_gpu.yaml", "--plan", "--device-kind",
+                        "h100", "--world-size", "8", "--usd-per-chip-hour", "3", "data.dir=/nonexistent"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "8 replica(s)" in r.stdout and "$" in r.stdout
+    steps = int(re.search(r"steps\s+([\d,]+)", r.stdout).group(1).replace(",", ""))
+    assert steps == 2_500_000_000 // (32 * 4 * 1024 * 8)  # total_tokens / (batch x accumulation x seq x replicas)

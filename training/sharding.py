@@ -1,0 +1,51 @@
+"""How SPMD shards each tensor over the ``data x fsdp x tp`` mesh: one rule, shared by the XLA
+backend (which applies it with ``torch_xla``) and the planner (which counts bytes with it). Plain
+Python: nothing here imports ``torch_xla``.
+
+A partition spec has one entry per tensor dimension: a mesh axis name, a tuple of axis names (the
+dimension is split over their product), or ``None`` (not split).
+"""
+from __future__ import annotations
+
+# Column-parallel projections (output features split over tp) and row-parallel ones (input
+# features split over tp), by module name (model.py's naming contract).
+COLUMN_PARALLEL = ("wq", "wk", "wv", "w1", "w3")
+ROW_PARALLEL = ("wo", "w2")
+
+
+def param_partition_spec(name: str, p) -> tuple | None:
+    """The SPMD partition spec of a parameter (``None``: replicated)."""
+    if p.ndim != 2:
+        return None  # norms, gates, biases, scalars: tiny, replicated
+    module = name.split(".")[-2] if "." in name else name
+    if module in COLUMN_PARALLEL:
+        return ("tp", "fsdp")
+    if module in ROW_PARALLEL:
+        return ("fsdp", "tp")
+    return ("fsdp", None)  # embeddings, mHC projections, pooling: FSDP only
+
+
+def state_partition_spec(spec: tuple | None, over_data: bool) -> tuple | None:
+    """The spec of a parameter's gradient and optimiser state.
+
+    Like the parameter's, except with ``over_data`` (ZeRO-2 style) the ``fsdp`` dimension is split
+    over ``data x fsdp``: each data-parallel replica keeps 1/data of the state instead of all of it.
+    The traffic stays the same (the gradient is reduce-scattered over data x fsdp instead of
+    reduce-scattered over fsdp then all-reduced over data; the updated shard is all-gathered over
+    data). Replicated tensors (``None``) stay replicated: they are tiny.
+    """
+    if spec is None or not over_data:
+        return spec
+    return tuple(("data", "fsdp") if axis == "fsdp" else axis for axis in spec)
+
+
+def shard_factor(spec: tuple | None, mesh: dict[str, int]) -> int:
+    """Into how many pieces ``spec`` cuts a tensor on a mesh ``{"data": d, "fsdp": f, "tp": t}``."""
+    if spec is None:
+        return 1
+    n = 1
+    for axis in spec:
+        for name in (axis if isinstance(axis, tuple) else (axis,)):
+            if name is not None:
+                n *= mesh[name]
+    return n
