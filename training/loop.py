@@ -411,8 +411,8 @@ class Trainer:
             return 3
         self.save("signal" if exit_reason == "signal" else "final", wait=True)
         if exit_reason == "signal":
-            self.log_line(f"stopped at step {state.step} after {STOP.signal_name}; resume with the "
-                          "same command")
+            why = STOP.signal_name or "a stop signal on another process"
+            self.log_line(f"stopped at step {state.step} after {why}; resume with the same command")
         elif "eval_loss" in self.last_record:
             last = self.last_record
             self.log_line(f"done: {state.step} steps, {state.tokens_seen:,} tokens; final val loss "
