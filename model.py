@@ -524,7 +524,6 @@ class HyperConnection(nn.Module):
         self.b_pre[self.favoured] = MHC_PRE_BIAS
         self.b_post.zero_()                                      # 2 sigmoid(0) = 1
         if self.lite:
-            self.perms.copy_(permutation_matrices(n, device=self.perms.device))
             self.b_res.fill_(MHC_RES_OFF_DIAG_BIAS)
             self.b_res[0] = 0.0                                  # the identity permutation
         else:
@@ -675,6 +674,9 @@ class NashMHC(nn.Module):
         self.register_buffer("rope_sin", torch.empty(cfg.max_seq_len, cfg.head_dim // 2), persistent=False)
         # The XLA backend may swap in torch_xla's own checkpoint; used only when training with grad.
         self.checkpoint_fn = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
+        # The XLA backend may run all blocks as one compiled loop body (torch_xla's scan):
+        # blocks_fn(blocks, h, cos, sin, checkpoint) -> (h, the blocks' mean stats).
+        self.blocks_fn = None
         names = []
         if cfg.nash_scales > 1:
             names += ["nash_entropy"] + [f"nash_w{l}" for l in range(cfg.nash_scales)]
@@ -693,7 +695,7 @@ class NashMHC(nn.Module):
 
     @torch.no_grad()
     def init_weights(self):
-        """(Re)initialise every parameter and the rotary tables; call it after ``to_empty()``.
+        """(Re)initialise every parameter and buffer; call it after ``to_empty()``.
 
         Weights N(0, init_std); the projections into the residual (wo, w2) and an untied LM head
         N(0, init_std / sqrt(2 n_layers)) (GPT-2), so the initial loss is ~ln(vocab_size).
@@ -708,9 +710,21 @@ class NashMHC(nn.Module):
                 nn.init.normal_(m.weight, 0.0, std)
             elif isinstance(m, (RMSNorm, NashAttention, HyperConnection, StreamCollapse)):
                 m.reset_parameters()
+        self.init_buffers()
+
+    @torch.no_grad()
+    def init_buffers(self):
+        """(Re)compute the non-persistent buffers: the rotary tables and the mHC-lite permutations.
+        They follow from the config and are never saved, so a model whose parameters were loaded
+        into a meta-built module (``load_state_dict(assign=True)``, transformers' from_pretrained)
+        calls this and nothing else."""
+        cfg = self.config
         cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, device=self.rope_cos.device)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
+        for m in self.modules():
+            if isinstance(m, HyperConnection) and m.lite:
+                m.perms.copy_(permutation_matrices(m.n, device=m.perms.device))
 
     def trunk(self, idx):
         """Final-normed hidden states ``[B, T, C]`` and the blocks' mean stats."""
@@ -726,13 +740,17 @@ class NashMHC(nn.Module):
         if cfg.mhc_streams > 1:
             h = h.unsqueeze(2).expand(B, Tp, cfg.mhc_streams, cfg.d_model).contiguous()
         checkpoint = cfg.activation_checkpointing and self.training and torch.is_grad_enabled()
-        stats = []
-        for block in self.blocks:
-            h, s = self.checkpoint_fn(block, h, cos, sin) if checkpoint else block(h, cos, sin)
-            stats.append(s)
+        if self.blocks_fn is not None:
+            h, stats = self.blocks_fn(self.blocks, h, cos, sin, checkpoint)
+        else:
+            stats = []
+            for block in self.blocks:
+                h, s = self.checkpoint_fn(block, h, cos, sin) if checkpoint else block(h, cos, sin)
+                stats.append(s)
+            stats = torch.stack(stats).mean(dim=0)
         if self.mhc_out is not None:
             h = self.mhc_out(h)
-        return self.norm(h[:, :T]), torch.stack(stats).mean(dim=0)
+        return self.norm(h[:, :T]), stats
 
     def forward(self, idx, targets=None) -> ModelOutput:
         x, stats = self.trunk(idx)

@@ -96,7 +96,13 @@ BUDGETS = {
         "attention": dict(lengths=[512, 1024, 2048, 4096], d_model=256, n_heads=4, n_kv_heads=2, window=512,
                           warmup=2, repeats=7),
         "data": dict(batches=200, repeats=3, consume_steps=30, consume_log_interval=5),
-        "xla": dict(max_steps=30, log_interval=5, overrides=[]),
+        "xla": dict(max_steps=30, log_interval=5, overrides=[],
+                    # issue 12: graphs by accumulation x log interval x mode (1 layer: the count does
+                    # not depend on depth), log steps vs others, compile time per layer, scan on/off
+                    graph_settings=[(1, 1), (4, 1), (1, 10), (4, 10)], graph_modes=["ddp", "spmd"],
+                    graph_layers=1, log_steps=40, log_interval_steps=5, log_repeats=2,
+                    accum_layers=2, accum_steps=12, accum_batch=2,
+                    compile_layers=[2, 8, 28], compile_d_model=64, compile_repeats=2),
     },
     "quick": {
         "learning": dict(seeds=1, tokens=8 * 16 * 256, evals=2, logs_per_eval=2, warmup_fraction=1 / 4,
@@ -107,7 +113,11 @@ BUDGETS = {
                           warmup=1, repeats=2),
         "data": dict(batches=40, repeats=1, consume_steps=10, consume_log_interval=2),
         # one block: the smoke test checks the plumbing, not the demo's compile time
-        "xla": dict(max_steps=8, log_interval=2, overrides=["model.n_layers=1"]),
+        "xla": dict(max_steps=8, log_interval=2, overrides=["model.n_layers=1"],
+                    graph_settings=[(1, 1), (4, 3)], graph_modes=["ddp"], graph_layers=1,
+                    log_steps=12, log_interval_steps=3, log_repeats=1,
+                    accum_layers=1, accum_steps=5, accum_batch=1,
+                    compile_layers=[1, 2], compile_d_model=32, compile_repeats=1),
     },
 }
 
@@ -656,7 +666,156 @@ def xla(args, budget: dict) -> dict:
             "totals": totals, "max_steps": n, "log_interval": li, "overrides": budget["overrides"],
             "precision": demo_config(args).training.precision, "wall_s": proc["wall_s"],
             "steady_step_s": statistics.median(r["step_time"] for r in window[1:]),
-            "dir": str(run_dir.relative_to(args.out))}
+            "dir": str(run_dir.relative_to(args.out)), **xla_at_scale(args, budget)}
+
+
+# Issue 12's figures, each in its own function: compiled graphs by accumulation, log interval and
+# mode; host time of log steps against the others; compile time and HLO size by depth, scanned
+# or unrolled.
+
+XLA_FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+
+
+def xla_at_scale(args, budget: dict) -> dict:
+    return {"graphs": xla_graphs(args, budget), "log_steps": xla_log_steps(args, budget),
+            "accumulation": xla_accumulation(args, budget), "compile": xla_compile(args, budget)}
+
+
+def xla_child(args, what: str, overrides: list[str], env: dict, timeout: float, extra=()) -> dict:
+    """``bench/xla.py WHAT`` on the demo config snapshot; the JSON of its RESULT line."""
+    cmd = [sys.executable, str(ROOT / "bench" / "xla.py"), what, str(args.config), *overrides, *extra]
+    try:
+        r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise BenchError(f"bench/xla.py {what} ran over {timeout:.0f}s") from None
+    lines = [line for line in r.stdout.splitlines() if line.startswith("RESULT ")]
+    if r.returncode != 0 or not lines:
+        tail = (r.stderr.strip().splitlines() or [""])[-1]
+        raise BenchError(f"bench/xla.py {what} {' '.join(overrides)} exited with {r.returncode}: {tail}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def xla_graphs(args, budget: dict) -> dict:
+    """train_xla.py runs that differ only in accumulation, log interval and mode (ddp on one
+    device; spmd on a 2 x 2 mesh of 4 CPU devices): compilations by the first log line, any added
+    in the steady window up to the step before the last (which adds the evaluation graphs), run
+    totals, and device-to-host transfers per log line. LLVM at -O0: counts, not compile times."""
+    longest = max(li for _, li in budget["graph_settings"])
+    steps = 2 * longest + 1
+    rows = []
+    for mode in budget["graph_modes"]:
+        for acc, li in budget["graph_settings"]:
+            run_dir = args.out / "runs" / f"xla_graphs_{mode}_a{acc}_i{li}"
+            print(f"  xla graphs: {mode}, accumulation {acc}, log interval {li} ...", flush=True)
+            env = child_env(args.threads, PJRT_DEVICE="CPU", XLA_FLAGS=XLA_FAST_COMPILE,
+                            CPU_NUM_DEVICES="4" if mode == "spmd" else "1")
+            over = [*budget["overrides"], f"training.max_steps={steps}", "training.total_tokens=null",
+                    f"logging.interval={li}", f"training.gradient_accumulation_steps={acc}",
+                    f"model.n_layers={budget['graph_layers']}",
+                    "evaluation.interval=0", "evaluation.steps=2", "xla.compile_cache=", f"xla.mode={mode}"]
+            if mode == "spmd":
+                over += ["xla.mesh.data=2", "xla.mesh.fsdp=2"]
+            run_trainer("train_xla.py", args.config, over, run_dir, env, timeout=args.run_timeout)
+            recs = [r for r in read_metrics(run_dir) if "xla_compilations" in r]
+            steady = [r for r in recs if r["step"] < steps]
+            totals = json.loads((run_dir / "xla_metrics.json").read_text())
+            rows.append({"mode": mode, "accumulation": acc, "log_interval": li,
+                         "by_first_line": steady[0]["xla_compilations"],
+                         "added_after": steady[-1]["xla_compilations"] - steady[0]["xla_compilations"],
+                         "total": totals["compilations"],
+                         "transfers_per_line": (steady[-1]["xla_transfers"] - steady[0]["xla_transfers"])
+                         / max(1, len(steady) - 1)})
+    return {"steps": steps, "n_layers": budget["graph_layers"], "rows": rows}
+
+
+def xla_log_steps(args, budget: dict) -> dict:
+    """Host time of each step of the real Trainer (bench/xla.py steps): log steps against the
+    others, with asynchronous step closures (train_xla.py) and synchronous ones (torch_xla's
+    default, what it used before), runs interleaved. The first log interval (compilation) and the
+    last step (final evaluation) are left out."""
+    n, li = budget["log_steps"], budget["log_interval_steps"]
+    env = child_env(args.threads, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="1")
+    runs = {"async": [], "sync": []}
+    for rep in range(budget["log_repeats"]):
+        for closures in runs:
+            print(f"  xla log steps: {closures} closures, {n} steps, log every {li} (round {rep + 1}) ...",
+                  flush=True)
+            run_dir = args.out / "runs" / f"xla_log_steps_{closures}"
+            if run_dir.exists():
+                shutil.rmtree(run_dir)
+            over = [*budget["overrides"], f"training.max_steps={n}", "training.total_tokens=null",
+                    f"logging.interval={li}", "evaluation.interval=0", "evaluation.steps=2", "xla.compile_cache=",
+                    "xla.mode=ddp", f"checkpoint.dir={run_dir}", "checkpoint.interval=0", "checkpoint.resume=none",
+                    "logging.progress_bar=false", "logging.tensorboard=false"]
+            runs[closures].append(xla_child(args, "steps", over, env, args.run_timeout,
+                                             extra=["--closures", closures]))
+    out = {"steps": n, "log_interval": li, "repeats": budget["log_repeats"]}
+    for closures, results in runs.items():
+        log_s, other_s, per_line = [], [], []
+        for res in results:
+            for i, dt in enumerate(res["step_s"][li:n - 1], start=li + 1):  # step numbers
+                (log_s if i % li == 0 else other_s).append(dt)
+            t = res["transfers"]
+            per_line.append((t[-2][1] - t[0][1]) / max(1, len(t) - 2))
+        out[closures] = {"log_step_s": statistics.median(log_s), "other_step_s": statistics.median(other_s),
+                         "ratio": statistics.median(log_s) / statistics.median(other_s),
+                         "transfers_per_line": statistics.median(per_line)}
+    return out
+
+
+def xla_accumulation(args, budget: dict) -> dict:
+    """Gradient accumulation three ways (bench/xla.py accumulation): the loop before issue 12,
+    train_xla.py's, and torch_xla's experimental.gradient_accumulation; accumulation 1 and 4,
+    demo shape with ``accum_layers`` blocks and micro-batches of ``accum_batch``. Compilations
+    over the run and the median host time per step after 3 steps."""
+    env = child_env(args.threads, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="1")
+    rows = []
+    for accum in (1, 4):
+        for scheme in ("before", "train_xla", "gradient_accumulation"):
+            print(f"  xla accumulation: {scheme}, {accum} micro-step(s) ...", flush=True)
+            over = [*budget["overrides"], f"model.n_layers={budget['accum_layers']}",
+                    f"training.batch_size={budget['accum_batch']}",
+                    f"training.gradient_accumulation_steps={accum}", "xla.mode=ddp", "xla.compile_cache="]
+            res = xla_child(args, "accumulation", over, env, args.run_timeout,
+                            extra=["--scheme", scheme, "--steps", str(budget["accum_steps"])])
+            rows.append({"scheme": scheme, "accumulation": accum, "compilations": res["compilations"][-1],
+                         "after_first_step": res["compilations"][-1] - res["compilations"][0],
+                         "step_s": res["step_s"], "first_losses": res["losses"][:3]})
+    return {"n_layers": budget["accum_layers"], "batch": budget["accum_batch"], "steps": budget["accum_steps"],
+            "rows": rows}
+
+
+def xla_compile(args, budget: dict) -> dict:
+    """The training step's model graph (forward and backward of one micro-batch) at each depth,
+    unrolled and scanned (``xla.scan_layers``): HLO lines and XLA compile time, the median of
+    ``compile_repeats`` fresh processes, interleaved. Demo shape at width ``compile_d_model``."""
+    d = budget["compile_d_model"]
+    env = child_env(args.threads, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="1")
+    samples: dict[tuple, list[dict]] = {}
+    for rep in range(budget["compile_repeats"]):
+        for layers in budget["compile_layers"]:
+            for scan in (False, True):
+                print(f"  xla compile: {layers} layers, {'scanned' if scan else 'unrolled'} (round {rep + 1}) ...",
+                      flush=True)
+                over = [*budget["overrides"], f"model.n_layers={layers}", f"model.d_model={d}", "xla.mode=ddp",
+                        "xla.compile_cache=", f"xla.scan_layers={'true' if scan else 'false'}"]
+                samples.setdefault((layers, scan), []).append(
+                    xla_child(args, "compile", over, env, args.run_timeout))
+    rows = []
+    for (layers, scan), res in sorted(samples.items()):
+        rows.append({"n_layers": layers, "scan": scan, "hlo_lines": res[0]["hlo_lines"],
+                     "compile_s": statistics.median(r["compile_s"] for r in res),
+                     "all_compile_s": [r["compile_s"] for r in res],
+                     "trace_s": statistics.median(r["trace_s"] for r in res)})
+    lo, hi = min(budget["compile_layers"]), max(budget["compile_layers"])
+    per_layer = {}
+    for scan in (False, True):
+        a = next(r for r in rows if r["n_layers"] == lo and r["scan"] == scan)
+        b = next(r for r in rows if r["n_layers"] == hi and r["scan"] == scan)
+        per_layer["scan" if scan else "unrolled"] = {
+            "compile_s": (b["compile_s"] - a["compile_s"]) / (hi - lo),
+            "hlo_lines": (b["hlo_lines"] - a["hlo_lines"]) / (hi - lo)}
+    return {"d_model": d, "repeats": budget["compile_repeats"], "rows": rows, "per_layer": per_layer}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -842,7 +1001,53 @@ def render_xla(r: dict) -> list[str]:
             f"| {r['per_10_steps']['compilations']:g} | {r['cpu_fallback_ops']['at'][0]} → "
             f"{r['cpu_fallback_ops']['at'][1]} | {r['per_10_steps']['transfers']:g} "
             f"({r['transfers_per_log_line']:g}) | {r['warmup_compilations']} | "
-            f"{t['compilations']}, {t['device_to_host_transfers']}, {t['executions']} | {ops} | {steady} |"]
+            f"{t['compilations']}, {t['device_to_host_transfers']}, {t['executions']} | {ops} | {steady} |",
+            *render_xla_at_scale(r)]
+
+
+def render_xla_at_scale(r: dict) -> list[str]:
+    if "graphs" not in r:
+        return []
+    g, ls, c = r["graphs"], r["log_steps"], r["compile"]
+    L = ["", f"Compiled graphs of `train_xla.py` runs that differ only in accumulation, log interval and mode "
+             f"({g['n_layers']} layer(s), {g['steps']} steps, evaluation at the last step; spmd: 2 x 2 mesh of 4 "
+             "CPU devices). Steady window: first log line to the one before the last step.",
+         "",
+         "| mode | accumulation | log interval | compilations by the first log line | added in the steady "
+         "window | run total (with evaluation) | transfers per log line |",
+         "|---|---:|---:|---:|---:|---:|---:|"]
+    L += [f"| {x['mode']} | {x['accumulation']} | {x['log_interval']} | {x['by_first_line']} | {x['added_after']} | "
+          f"{x['total']} | {x['transfers_per_line']:g} |" for x in g["rows"]]
+    L += ["", f"Host time per step of the Trainer, {ls['steps']} steps logged every {ls['log_interval']} "
+              f"(median over {ls['repeats']} run(s) each, first interval and last step left out):", "",
+          "| step closures | log steps | other steps | log / other | transfers per log line |",
+          "|---|---:|---:|---:|---:|"]
+    for k, name in (("async", "asynchronous (train_xla.py)"), ("sync", "synchronous (before)")):
+        x = ls[k]
+        L.append(f"| {name} | {_ms(x['log_step_s'])} ms | {_ms(x['other_step_s'])} ms | {x['ratio']:.2f} | "
+                 f"{x['transfers_per_line']:g} |")
+    a = r["accumulation"]
+    L += ["", f"Gradient accumulation three ways, demo shape with {a['n_layers']} layer(s), micro-batch "
+              f"{a['batch']}, {a['steps']} steps (compilations include the set-up graph; step time: median host "
+              "time per step after 3 steps):", "",
+          "| scheme | accumulation | compilations | of which after step 1 | step |", "|---|---:|---:|---:|---:|"]
+    names = {"before": "before (gradients from None, no cut)", "train_xla": "train_xla.py (kept buffers, update "
+             "graph)", "gradient_accumulation": "torch_xla gradient_accumulation (While loop)"}
+    L += [f"| {names[x['scheme']]} | {x['accumulation']} | {x['compilations']} | {x['after_first_step']} | "
+          f"{_ms(x['step_s'])} ms |" for x in a["rows"]]
+    L += ["", f"The training step's model graph (forward + backward, one micro-batch) by depth, demo shape at "
+              f"d_model {c['d_model']}; compile time: median of {c['repeats']} fresh process(es).", "",
+          "| layers | unrolled: HLO lines | unrolled: compile | scanned: HLO lines | scanned: compile |",
+          "|---:|---:|---:|---:|---:|"]
+    by = {(x["n_layers"], x["scan"]): x for x in c["rows"]}
+    for layers in sorted({x["n_layers"] for x in c["rows"]}):
+        u, s_ = by[(layers, False)], by[(layers, True)]
+        L.append(f"| {layers} | {u['hlo_lines']:,} | {u['compile_s']:.1f} s | {s_['hlo_lines']:,} | "
+                 f"{s_['compile_s']:.1f} s |")
+    pl = c["per_layer"]
+    L.append(f"| per layer | {pl['unrolled']['hlo_lines']:,.0f} | {pl['unrolled']['compile_s']:.2f} s | "
+             f"{pl['scan']['hlo_lines']:,.0f} | {pl['scan']['compile_s']:.2f} s |")
+    return L
 
 
 SECTION_TITLES = {"learning": "1. Learning: validation loss at equal tokens and equal wall-clock",

@@ -67,6 +67,12 @@ class Backend:
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Place or shard optimiser state (SPMD); a no-op elsewhere."""
 
+    def keep_gradients(self, params: list[torch.Tensor], accumulation: int) -> bool:
+        """Whether gradient buffers live across steps (zeroed after each update, never freed), so
+        that every micro-step adds into existing buffers; if so, they are created here. XLA does
+        with accumulation: a micro-step that creates the gradients would be another graph."""
+        return False
+
     def batches(self, iterable: Iterable) -> Iterator:
         """An iterator of batches already on the device."""
         for x, y in iterable:
@@ -92,11 +98,20 @@ class Backend:
 
     def grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """The global L2 norm of the (reduced) gradients, as a plain tensor."""
-        return torch.nn.utils.get_total_norm(grads)
+        return self.whole(torch.nn.utils.get_total_norm(grads))
 
-    def on_host(self, fn: Callable[[dict], None], tensors: dict) -> None:
-        """Call ``fn`` with the tensors as Python floats, once they are computed."""
-        fn({k: _full(v).item() for k, v in tensors.items()})
+    def whole(self, t: torch.Tensor) -> torch.Tensor:
+        """A value as one plain tensor: a DTensor (FSDP2: a norm, a statistic of sharded
+        parameters) becomes its full value; anything else stays as it is."""
+        return _full(t)
+
+    def on_host(self, fn: Callable[..., None], values: torch.Tensor, *args) -> None:
+        """Call ``fn(numbers, *args)`` with the vector ``values`` as a list of Python floats (one
+        device-to-host transfer), once it is computed."""
+        fn(values.tolist(), *args)
+
+    def wait_host(self) -> None:
+        """Return once every ``on_host`` call has run (XLA runs them in the background)."""
 
     # -- agreement across processes (host-side: a gloo all-reduce, never a device sync) -------
     host: HostGroup = HostGroup()   # one process unless a subclass makes a group
@@ -179,6 +194,11 @@ class Backend:
                                              "param_groups": param_groups})
 
     # -- reporting ---------------------------------------------------------------------------
+    @property
+    def n_devices(self) -> int:
+        """Devices one step runs on, over all replicas (MFU's denominator)."""
+        return self.world_size
+
     def device_name(self) -> str:
         return str(self.device)
 
@@ -240,8 +260,9 @@ class TorchBackend(Backend):
             backend = "nccl" if self.device.type == "cuda" else "gloo"
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
-            dist.init_process_group(backend=backend, rank=self.rank, world_size=self.world_size,
-                                    device_id=self.device if self.device.type == "cuda" else None)
+            if not dist.is_initialized():  # a caller (a test, a notebook) may have made it
+                dist.init_process_group(backend=backend, rank=self.rank, world_size=self.world_size,
+                                        device_id=self.device if self.device.type == "cuda" else None)
             # Host-side groups: decisions in the loop's thread, checkpoint I/O in the writer's.
             self.host = HostGroup(new_gloo_group())
             self.ckpt_group = new_gloo_group()
@@ -331,9 +352,6 @@ class TorchBackend(Backend):
         if self.distributed and not self.fsdp and not last_micro_step:
             return model.no_sync()
         return contextlib.nullcontext()
-
-    def grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        return _full(torch.nn.utils.get_total_norm(grads))  # FSDP2: a partial norm per rank
 
     def load_full_state(self, model, optimizer, model_state, optim_state) -> None:
         if not self.fsdp:

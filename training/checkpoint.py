@@ -356,7 +356,8 @@ def resolve_checkpoint(path: str | Path, warn: Callable[[str], None] = print,
     if p.is_dir() and not is_dcp_dir(p):
         found = find_resume(p, warn, with_optimizer)
         if found is None:
-            raise CheckpointError(f"{p}: no committed checkpoint (ckpt_*) in this directory")
+            raise CheckpointError(f"{p}: no checkpoint in this run directory (no committed ckpt_*), "
+                                  "and not a checkpoint directory itself")
         return found
     return p, load_checkpoint(p, with_optimizer)
 

@@ -99,6 +99,10 @@ class CheckpointConfig:
     async_: bool = _help("copy the state to host memory at the step and write it in a background "
                          "thread while training goes on (at most one save pending)", key="async",
                          default=False)
+    init_from: Optional[str] = _help(
+        "a run that starts from step 0 takes its weights from here: a Hugging Face Llama directory, a "
+        "file from export_hf.py --import, a checkpoint or a run directory (architecture as model:; "
+        "unused when the run resumes)", default=None)
 
 
 @dataclass
@@ -123,9 +127,13 @@ class LoggingConfig:
 
 @dataclass
 class MeshConfig:
-    data: int = _help("data-parallel axis size", default=1)
+    data: int = _help("data-parallel axis size (over all slices)", default=1)
     fsdp: int = _help("FSDP axis size (parameters and optimiser state sharded)", default=1)
-    tp: int = _help("tensor-parallel axis size (attention heads, FFN hidden units)", default=1)
+    tp: int = _help("tensor-parallel axis size (attention heads, FFN hidden units); kept within a host",
+                    default=1)
+    dcn_data: int = _help("multi-slice: how many slices the data axis spans (over the data-center "
+                          "network); divides data. On TPU the mesh follows the physical topology "
+                          "(torch_xla's HybridMesh)", default=1)
 
 
 @dataclass
@@ -138,7 +146,10 @@ class XLAConfig:
     compile_cache: Optional[str] = _help(
         "persistent XLA compilation cache directory (one subdirectory per process); empty disables",
         default="~/.cache/nash_mhc/xla")
-    nprocs: Optional[int] = _help("xmp.spawn processes (None: one per core/chip)", default=None)
+    nprocs: Optional[int] = _help("xmp.spawn processes: null (one per core/chip) or 1 (torch_xla 2.9 "
+                                  "accepts nothing else)", default=None)
+    scan_layers: bool = _help("run the blocks as one compiled loop (torch_xla's scan): compile time "
+                              "and graph size stop growing with model.n_layers", default=False)
 
 
 @dataclass
@@ -381,8 +392,14 @@ def check(cfg: Config, path: Any = None) -> None:
     if cfg.logging.interval < 1:
         bad(f"logging.interval={cfg.logging.interval} must be at least 1")
     m = cfg.xla.mesh
-    if min(m.data, m.fsdp, m.tp) < 1:
+    if min(m.data, m.fsdp, m.tp, m.dcn_data) < 1:
         bad("xla.mesh axes must be at least 1")
+    if m.data % m.dcn_data:
+        bad(f"xla.mesh.dcn_data={m.dcn_data} does not divide xla.mesh.data={m.data} (the data axis "
+            "spans dcn_data slices)")
+    if cfg.xla.nprocs not in (None, 1):
+        bad(f"xla.nprocs={cfg.xla.nprocs}: torch_xla 2.9's xmp.spawn accepts only null (one process "
+            "per core/chip) or 1")
 
 
 def check_data(cfg: Config) -> dict:

@@ -10,6 +10,20 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 
+# The meta.json fields that fix the token stream: the shards (with their sha256) of both splits,
+# their dtype, the tokenizer and its special ids. Paths and the command that made them are left
+# out, so the same data prepared or copied anywhere has the same fingerprint.
+_DATA_IDENTITY = ("vocab_size", "dtype", "eos_id", "bos_id", "pad_id", "tokenizer_sha256", "splits")
+
+
+def data_fingerprint(meta: dict) -> str:
+    """sha256 of the identity of a prepared data directory (its meta.json); hosts of one job
+    compare it at start, so none trains on other data than the rest."""
+    import hashlib
+    ident = {k: meta.get(k) for k in _DATA_IDENTITY}
+    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
+
+
 class TokenWindows(Dataset):
     """Non-overlapping windows of ``seq_len + 1`` tokens over every shard of one split.
 

@@ -10,8 +10,8 @@ Every process must make the same calls in the same order (the loop takes decisio
 which are the same steps everywhere). In a single process every method answers locally.
 
 Groups are made by the backends: ``TorchBackend`` after ``init_process_group`` (torchrun),
-``XLABackend`` with ``init_process_group("gloo", init_method="xla://")`` (one rank per host in
-SPMD, one per chip in ddp mode). Checkpoint I/O gets a group of its own (``new_gloo_group``):
+``XLABackend`` after ``init_gloo("xla://")`` (one rank per host in SPMD, one per chip in ddp
+mode), whose group also carries the launch checks (``all_gather_text``). Checkpoint I/O gets a group of its own (``new_gloo_group``):
 an asynchronous save runs DCP's collectives in a background thread, and two threads must never
 share a process group.
 """
@@ -22,6 +22,13 @@ from typing import Sequence
 
 import torch
 import torch.distributed as dist
+
+
+def init_gloo(init_method: str) -> None:
+    """The default process group, with gloo, unless one is already initialised (a test, a
+    notebook, a caller that made it): then that one is used as it is."""
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=init_method)
 
 
 def new_gloo_group() -> "dist.ProcessGroup | None":
@@ -63,6 +70,18 @@ class HostGroup:
         t = torch.tensor([h, -h], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return int(t[0]) == -int(t[1])
+
+    def all_gather_text(self, text: str, size: int = 1024) -> list[str]:
+        """Every process's ``text`` (UTF-8, cut at ``size`` bytes), in rank order: for decisions
+        that need to know who differs (the launch checks). One all-gather of ``size`` bytes."""
+        data = text.encode()[:size]
+        if self.group is None:
+            return [data.decode(errors="replace")]
+        mine = torch.zeros(size, dtype=torch.uint8)
+        mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        everyone = [torch.empty_like(mine) for _ in range(self.size)]
+        dist.all_gather(everyone, mine, group=self.group)
+        return [bytes(t.tolist()).rstrip(b"\0").decode(errors="replace") for t in everyone]
 
     def barrier(self) -> None:
         if self.group is not None:

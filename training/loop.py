@@ -27,6 +27,7 @@ from .backend import Backend
 from .checkpoint import FORMAT_VERSION, Checkpointer, CheckpointError, rng_state, set_rng_state
 from .config import Config, ConfigError, check_data, config_from_dict
 from .data import DataStream, TokenWindows, eval_batches
+from .hf import load_initial_weights
 from .monitor import Monitor, info
 from .optim import build_optimizer, lr_at, set_lr
 
@@ -147,6 +148,15 @@ class Trainer:
         self.checkpointer = Checkpointer(self.run_dir, cfg.checkpoint.keep, backend, self.log_line,
                                          async_save=cfg.checkpoint.async_)
         resumed = self.checkpointer.find(cfg.checkpoint.resume)
+        if resumed is not None and "optimizer" not in resumed[1]:
+            raise CheckpointError(f"{resumed[0]}: weights only (export_hf.py --import?): start a run "
+                                  "from it with checkpoint.init_from")
+        if resumed is None and cfg.checkpoint.init_from:
+            init_path, init = load_initial_weights(cfg.checkpoint.init_from, warn=self.log_line)
+            check_resume_compatible(cfg, init, init_path)
+            model.load_state_dict(init["model"])
+            self.log_line(f"initial weights from {init_path}")
+            del init
         self.finished = False
         if resumed is not None:
             ckpt_path, ckpt = resumed
@@ -192,13 +202,15 @@ class Trainer:
         self.streak = torch.zeros((), device=device)        # non-finite steps in a row
         self.worst_streak = torch.zeros((), device=device)  # the longest such run in this process
         self.skipped = torch.zeros((), device=device)       # non-finite steps in this process
+        self.keep_grads = backend.keep_gradients(self.params, t_cfg.gradient_accumulation_steps)
         backend.sync()  # materialise the counters and the optimiser state: step 1 = every later step
+        self.value_names: list[str] = []  # what train_step's vector holds, in order
 
         # Host-side bookkeeping of the log steps.
         self.skipped_logged = 0
         self.stop_nonfinite = False
         self.last_log_time, self.last_log_step = time.time(), state.step
-        self.eval_seconds = 0.0
+        self.eval_seconds = 0.0  # evaluation time since the last log line (main thread)
         self.last_record: dict = {}
         self.start_tokens, self.start_step = state.tokens_seen, state.step
 
@@ -230,13 +242,16 @@ class Trainer:
         return self.start_tokens + (step - self.start_step) * self.tokens_per_step
 
     # -- the step ----------------------------------------------------------------------------
-    def train_step(self, lr: float) -> dict[str, torch.Tensor]:
+    def train_step(self, lr: float) -> torch.Tensor:
         """One optimiser step at learning rate ``lr``: ``accumulation`` micro-steps of forward and
         backward, the gradient reduction, clipping of the reduced gradient, an update that is
         skipped when the loss or the gradient is not finite, and the device-side counters.
 
-        Returns the step's values as device tensors (read on the host at log steps only). The
-        same outputs every step, so that every step's graph is the same (one compilation on XLA).
+        Returns the step's values (``self.value_names``) stacked in one device vector, averaged
+        over replicas: read on the host at log steps only, as one transfer. The same outputs
+        every step, so that every step traces the same graphs. On XLA those are two, whatever the
+        accumulation and the log interval: the micro-step (forward, backward, gradients added
+        into buffers that exist) and the update (the loader's sync ends each micro-step).
         """
         t_cfg, backend, optimizer = self.cfg.training, self.backend, self.optimizer
         accum = t_cfg.gradient_accumulation_steps
@@ -249,6 +264,7 @@ class Trainer:
                     out = self.train_model(x, y)
                 (out.loss / accum).backward()
             micro_losses.append(out.loss.detach().float())
+        backend.sync()  # XLA: the update is its own graph, the same for every accumulation
         backend.reduce_gradients(optimizer)
         grads = [p.grad for p in self.params if p.grad is not None]
         grad_norm = backend.grad_norm(grads)
@@ -258,13 +274,15 @@ class Trainer:
         ok = torch.isfinite(loss) & torch.isfinite(grad_norm)
         optimizer.found_inf = (~ok).float()
         optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=not self.keep_grads)
         bad = (~ok).float()
         self.streak = (self.streak + 1) * bad
         self.worst_streak = torch.maximum(self.worst_streak, self.streak)
         self.skipped = self.skipped + bad
-        return {"loss": loss, "grad_norm": grad_norm, "_skipped": self.skipped,
-                "_worst_streak": self.worst_streak, **out.metrics}
+        values = {"loss": loss, "grad_norm": grad_norm, "_skipped": self.skipped,
+                  "_worst_streak": self.worst_streak, **out.metrics}
+        self.value_names = list(values)
+        return backend.mean_across(torch.stack([backend.whole(v).float() for v in values.values()]))
 
     # -- evaluation --------------------------------------------------------------------------
     def evaluate(self) -> torch.Tensor:
@@ -286,14 +304,14 @@ class Trainer:
         return backend.mean_across(torch.stack(batch_losses).mean())
 
     # -- logging -----------------------------------------------------------------------------
-    def log(self, values: dict) -> None:
-        """A log step's values, on the host once computed (XLA: in a step closure): metrics.jsonl,
-        the progress bar, TensorBoard/W&B, the non-finite counters."""
+    def log(self, numbers: list[float], names: list[str], step: int, lr: float, eval_s: float) -> None:
+        """A log step's values (``numbers``, named ``names``), on the host once computed (XLA: in
+        an asynchronous step closure, while the loop runs on): metrics.jsonl, the progress bar,
+        TensorBoard/W&B, the non-finite counters. ``eval_s``: evaluation time since the last line."""
         t_cfg, state = self.cfg.training, self.state
-        step = int(values.pop("_step"))
+        values = dict(zip(names, numbers))
         now = time.time()
-        dt = max(now - self.last_log_time - self.eval_seconds, 1e-9)  # training time only
-        self.eval_seconds = 0.0
+        dt = max(now - self.last_log_time - eval_s, 1e-9)  # training time only
         steps = step - self.last_log_step
         self.last_log_time, self.last_log_step = now, step
         skipped_now = int(values.pop("_skipped"))
@@ -301,13 +319,14 @@ class Trainer:
         self.skipped_logged = skipped_now
         if values.pop("_worst_streak") >= t_cfg.max_nonfinite_steps:
             self.stop_nonfinite = True
-        rec = {"loss": values.pop("loss"), "lr": values.pop("lr"), "grad_norm": values.pop("grad_norm"),
+        rec = {"loss": values.pop("loss"), "lr": lr, "grad_norm": values.pop("grad_norm"),
                "tokens_seen": self.tokens_at(step)}
         if steps > 0:
             rec["tokens_per_sec"] = steps * self.tokens_per_step / dt
             rec["step_time"] = dt / steps
-            if self.peak:
-                rec["mfu"] = rec["tokens_per_sec"] * self.flops_per_token / (self.peak * self.replicas)
+            if self.peak:  # one device's peak, times the devices the step runs on
+                rec["mfu"] = (rec["tokens_per_sec"] * self.flops_per_token
+                              / (self.peak * self.backend.n_devices))
         if "eval_loss" in values:
             rec["eval_loss"] = values.pop("eval_loss")
             rec["eval_ppl"] = math.exp(min(rec["eval_loss"], 50.0))
@@ -336,6 +355,7 @@ class Trainer:
         """Checkpoint the model, optimiser and run state (``wait``: synchronously even with
         ``checkpoint.async``, as the last save of a run is)."""
         state = self.state
+        self.backend.wait_host()  # pending log lines update state.nonfinite_total
         pos = self.stream.advance(state.epoch, state.offset, state.batches_done)
         meta = {
             "format_version": FORMAT_VERSION,
@@ -369,12 +389,13 @@ class Trainer:
                 last = state.step == self.max_steps
                 do_eval = last or (cfg.evaluation.interval > 0 and state.step % cfg.evaluation.interval == 0)
                 do_log = last or do_eval or state.step % cfg.logging.interval == 0
+                names = self.value_names
+                if do_eval:
+                    backend.sync()  # the step's graphs alone, as on every step; then evaluation's
+                    values, names = torch.cat([values, self.evaluate().view(1)]), names + ["eval_loss"]
                 if do_log:
-                    values = {**values, "loss": backend.mean_across(values["loss"]),
-                              "lr": torch.tensor(lr), "_step": torch.tensor(state.step)}
-                    if do_eval:
-                        values["eval_loss"] = self.evaluate()
-                    backend.on_host(self.log, values)
+                    eval_s, self.eval_seconds = self.eval_seconds, 0.0
+                    backend.on_host(self.log, values, names, state.step, lr, eval_s)
                 backend.sync()
                 self.monitor.advance(state.step)
 
@@ -392,6 +413,7 @@ class Trainer:
             self.checkpointer.wait(quiet=True)  # a save in flight still commits if it can
             raise
         finally:
+            backend.wait_host()  # the last log lines reach metrics.jsonl before it closes
             STOP.restore()
             self.monitor.close()
             backend.close_batches(self.batches)  # stop prefetching and join the data workers

@@ -19,7 +19,22 @@ PEAK_FLOPS = {
 }
 
 
+# What torch_xla 2.9's ``xm.xla_device_kind()`` returns on each TPU generation, and the dense bf16
+# peak FLOP/s of one chip (one PJRT device; v4 and v5p chips are megacore). Matched exactly:
+# "TPU v5" is a v5p, which a substring match would confuse with "TPU v5 lite" (v5e).
+TPU_DEVICE_KINDS = {
+    "TPU v4": ("v4", 275e12),
+    "TPU v5 lite": ("v5e", 197e12),
+    "TPU v5": ("v5p", 459e12),
+    "TPU v6 lite": ("v6e", 918e12),
+}
+
+
 def peak_flops_for(device_name: str) -> float | None:
+    """Dense bf16 peak FLOP/s of one device: a TPU by its exact ``xla_device_kind``, a GPU by name."""
+    kind = TPU_DEVICE_KINDS.get(" ".join(device_name.split()))
+    if kind is not None:
+        return kind[1]
     for key in sorted(PEAK_FLOPS, key=len, reverse=True):
         if key.lower() in device_name.lower():
             return PEAK_FLOPS[key]

@@ -9,19 +9,26 @@ Two modes (``xla.mode``):
   sharded FSDP-style over ``fsdp`` and tensor-parallel over ``tp``; the batch is sharded over
   ``data`` and ``fsdp``; XLA's SPMD partitioner inserts the collectives. ``batch_size`` is global.
 
-Host syncs happen only in step closures at log intervals; values are copied with ``.cpu()`` (a
-transfer), never ``.item()`` on a device tensor (which would show up as an ``aten::`` fallback).
+Every step traces two graphs whatever the accumulation and the log interval (the micro-step and
+the update); the device loader's sync ends each micro-step. A log line's values reach the host as
+one vector, copied with ``.cpu()`` (one transfer, never ``.item()``, which would show up as an
+``aten::`` fallback) in an asynchronous step closure: the loop does not wait for it.
 
-Several processes (SPMD over hosts, or ddp with one process per chip) join a gloo process group
-with ``init_method='xla://'`` (rank = host in SPMD, = ordinal in ddp): decisions are host-side
-all-reduces on it (``Backend.any_process``), and SPMD checkpoints are DCP directories written with
-torch_xla's ``SPMDSavePlanner`` over a second gloo group: each host writes only its own shards
-(replicated tensors once), nothing is gathered. ddp checkpoints are single files by the master.
+Several processes (SPMD over hosts, or ddp with one process per chip) join ONE gloo process group
+with ``init_method='xla://'`` (rank = host in SPMD, = ordinal in ddp). Everything the processes
+decide together goes through it, host-side (``training.distributed.HostGroup``: no device sync,
+no rendezvous): the set-up checks (the mesh, the SPMD batch, the data every host has) refuse a
+launch with one line before anything compiles; stop after SIGTERM or non-finite steps is checked
+at log steps. SPMD checkpoints are DCP directories written with torch_xla's ``SPMDSavePlanner``
+over a second gloo group (the writer thread's): each host writes only its own shards (replicated
+tensors once), nothing is gathered. ddp checkpoints are single files by the master.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import threading
 from pathlib import Path
 from typing import Callable
 
@@ -35,7 +42,9 @@ import torch_xla.runtime as xr
 from torch import nn
 
 from .backend import Backend
-from .distributed import HostGroup, new_gloo_group
+from .config import ConfigError
+from .data import data_fingerprint
+from .distributed import HostGroup, init_gloo, new_gloo_group
 from .monitor import peak_flops_for
 from .optim import AdamW
 
@@ -80,6 +89,88 @@ def _one_copy_per_shard(staged):
     return tree_map_only(_CpuShards, dedup, staged)
 
 
+def build_mesh(m) -> "xs.Mesh":
+    """The SPMD ``data x fsdp x tp`` mesh of ``xla.mesh`` over every device of the job.
+
+    On TPU the devices are laid out by the physical topology (torch_xla's ``HybridMesh``; the
+    data axis spans ``dcn_data`` slices over the data-center network), so each ``tp`` group is a
+    set of neighbouring chips; it is then checked to lie within one host. Elsewhere (PJRT CPU,
+    GPU) devices follow runtime ordinals. Every error is one line naming the key.
+    """
+    import torch_xla.distributed.spmd as xs
+
+    n = xr.global_runtime_device_count()
+    axes, shape = ("data", "fsdp", "tp"), (m.data, m.fsdp, m.tp)
+    if m.data * m.fsdp * m.tp != n:
+        raise ConfigError(f"xla.mesh: data x fsdp x tp = {m.data} x {m.fsdp} x {m.tp} = "
+                          f"{m.data * m.fsdp * m.tp}, but there are {n} devices")
+    if xr.device_type() != "TPU":
+        if m.dcn_data > 1:
+            raise ConfigError(f"xla.mesh.dcn_data={m.dcn_data}: multi-slice meshes need TPU slices "
+                              f"(the devices here are {xr.device_type()})")
+        return xs.Mesh(np.arange(n), shape, axes)
+    slices = len({a.get("slice_index", 0) for a in xr.global_runtime_device_attributes()})
+    if slices != m.dcn_data:
+        raise ConfigError(f"xla.mesh.dcn_data={m.dcn_data}, but this job runs on {slices} TPU slice(s)")
+    ici = (m.data // m.dcn_data, m.fsdp, m.tp)
+    try:
+        mesh = xs.HybridMesh(ici_mesh_shape=ici, axis_names=axes,
+                             dcn_mesh_shape=(m.dcn_data, 1, 1) if m.dcn_data > 1 else None)
+    except (ValueError, NotImplementedError, AssertionError) as e:
+        raise ConfigError(f"xla.mesh: the per-slice mesh data x fsdp x tp = {ici[0]} x {ici[1]} x "
+                          f"{ici[2]} does not fit the slice's chip topology "
+                          f"({' '.join(str(e).split())})") from None
+    return mesh
+
+
+def tp_problem(mesh, m) -> str:
+    """This host's part of the check that every ``tp`` group lies within one host ("" if it
+    does; on TPU only). Each host sees its own devices, so the hosts decide together."""
+    if mesh is None or m.tp == 1 or xr.device_type() != "TPU":
+        return ""
+    local = {int(d.split(":")[-1]) for d in torch_xla._XLAC._xla_get_runtime_devices()}
+    split = tp_groups_across_hosts(mesh.get_logical_mesh(), local)
+    if not split:
+        return ""
+    return (f"xla.mesh.tp={m.tp}: the tensor-parallel group of devices {split[0]} spans hosts "
+            f"({len(local)} devices per host); keep tp within one host")
+
+
+def tp_groups_across_hosts(device_mesh: np.ndarray, local: set[int]) -> list[list[int]]:
+    """The tensor-parallel groups (the mesh's last axis) that mix this host's devices (``local``)
+    with other hosts': every host checks its own, so together they check every group."""
+    groups = np.asarray(device_mesh).reshape(-1, np.asarray(device_mesh).shape[-1]).tolist()
+    return [g for g in groups if 0 < sum(d in local for d in g) < len(g)]
+
+
+def scan_problem(cfg) -> str:
+    """xla.scan_layers in SPMD needs JAX: torch_xla 2.9's scan shards its backward like its
+    forward with jax's shard_alike (``scan.py``, through ``xb.call_jax``), and fails there."""
+    import importlib.util
+    if not cfg.xla.scan_layers or all(importlib.util.find_spec(m) for m in ("jax", "torchax")):
+        return ""
+    return ("xla.scan_layers=true in xla.mode=spmd needs JAX and torchax (torch_xla's scan shards "
+            "its backward with jax): pip install 'torch_xla[pallas]==2.9.0' torchax==0.0.7, or set "
+            "xla.scan_layers=false")
+
+
+def launch_verdict(entries: list[str], data_dir: str) -> str | None:
+    """The launch decision from every process's ``"<data fingerprint>\n<problem>"``, in rank
+    order: the first problem any process reports, or different data on some, or ``None``."""
+    split = [e.split("\n", 1) + [""] for e in entries]
+    for rank, (_, problem, *_) in enumerate(split):
+        if problem:
+            return f"{problem} (found by process {rank})" if len(entries) > 1 else problem
+    odd = [rank for rank, (digest, *_) in enumerate(split) if digest != split[0][0]]
+    if odd:
+        return (f"data.dir: {data_dir}/meta.json describes other data on process(es) "
+                f"{', '.join(map(str, odd[:8]))} than on process 0: every host must train on the "
+                "same prepared data (copy the directory, or use a shared mount)")
+    return None
+
+
+
+
 def param_partition_spec(name: str, p: torch.Tensor) -> tuple | None:
     """The SPMD partition spec of a parameter (``None``: replicated)."""
     if p.ndim != 2:
@@ -90,6 +181,72 @@ def param_partition_spec(name: str, p: torch.Tensor) -> tuple | None:
     if module in ROW_PARALLEL:
         return ("fsdp", "tp")
     return ("fsdp", None)  # embeddings, mHC projections, pooling: FSDP only
+
+
+def _recompute_all_partition(joint_module, joint_inputs, *, num_fwd_outputs, **kw):
+    """A ``scan`` partition with torch.utils.checkpoint's policy: the forward keeps only the
+    layer's inputs for the backward, which recomputes everything else. Every forward op is tagged
+    MUST_RECOMPUTE for AOTAutograd's min-cut partitioner, which then can save nothing but the
+    inputs (the residual carried into the layer and the layer's parameter slices)."""
+    from functorch.compile import min_cut_rematerialization_partition
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    for node in joint_module.graph.nodes:
+        if node.op == "call_function" and "recompute" not in node.meta:
+            node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+            node.meta["ac_graph_id"] = 0  # one checkpointed region: the whole layer
+    return min_cut_rematerialization_partition(joint_module, joint_inputs,
+                                               num_fwd_outputs=num_fwd_outputs, **kw)
+
+
+class ScanBlocks:
+    """``NashMHC.blocks_fn`` for ``xla.scan_layers``: the blocks run as one XLA While loop whose
+    body is one block, so the compiled graph (and its compile time) does not grow with depth.
+
+    This is what torch_xla's ``scan_layers`` does (stack every block's parameters, call the first
+    block on each slice with ``torch.func.functional_call``, ``scan`` over the slices), written
+    against ``scan`` itself because a Block is not a carry-to-carry layer: it also takes the
+    rotary tables, which travel as per-layer inputs that are not differentiated (in the carry
+    they would be), and it returns detached stats, which are summed in the carry (``scan``'s
+    stacked outputs must be differentiable). The scanned function is cached per train/eval mode,
+    checkpointing, grad and autocast state, so ``scan``'s trace cache never mixes them.
+    """
+
+    def __init__(self, n_stats: int):
+        self.n_stats = n_stats  # length of the stats vector each block returns
+        self._fns: dict[tuple, Callable] = {}
+
+    def _layer_fn(self, block: nn.Module, checkpoint: bool) -> Callable:
+        key = (id(block), block.training, checkpoint, torch.is_grad_enabled(),
+               torch.is_autocast_enabled("xla"), torch.get_autocast_dtype("xla"))
+        fn = self._fns.get(key)
+        if fn is None:
+            with_stats = self.n_stats > 0
+
+            def fn(carry, x):
+                h, total = carry if with_stats else (carry, None)
+                weights, cos, sin = x
+                h, stats = torch.func.functional_call(block, weights, (h, cos, sin), strict=True)
+                return ((h, total + stats) if with_stats else h), None
+
+            self._fns[key] = fn
+        return fn
+
+    def __call__(self, blocks, h, cos, sin, checkpoint: bool):
+        from functorch.compile import default_partition
+        from torch_xla.experimental.scan import scan
+
+        n = len(blocks)
+        per_block = [dict(itertools.chain(b.named_parameters(), b.named_buffers())) for b in blocks]
+        weights = {k: torch.stack([w[k] for w in per_block]) for k in per_block[0]}
+        xs = (weights, cos.expand(n, *cos.shape), sin.expand(n, *sin.shape))
+        carry = (h, h.new_zeros(self.n_stats, dtype=torch.float32)) if self.n_stats else h
+        partition = _recompute_all_partition if checkpoint else default_partition
+        carry, _ = scan(self._layer_fn(blocks[0], checkpoint), carry, xs, partition_fn=partition,
+                        is_fn_pure=True)
+        if not self.n_stats:
+            return carry, h.new_zeros(0, dtype=torch.float32)
+        return carry[0], carry[1] / n
 
 
 class _DeviceBatches:
@@ -124,33 +281,50 @@ class XLABackend(Backend):
         if self.spmd:
             import torch_xla.distributed.spmd as xs
             self.xs = xs
-            n = xr.global_runtime_device_count()
+            self.mesh = build_mesh(cfg.xla.mesh)
             m = cfg.xla.mesh
-            if m.data * m.fsdp * m.tp != n:
-                raise ValueError(f"xla.mesh: data x fsdp x tp = {m.data} x {m.fsdp} x {m.tp} = "
-                                 f"{m.data * m.fsdp * m.tp}, but there are {n} devices")
-            self.mesh = xs.Mesh(np.arange(n), (m.data, m.fsdp, m.tp), ("data", "fsdp", "tp"))
+            shards = m.data * m.fsdp
+            if cfg.training.batch_size % shards:
+                # XLA would zero-pad the batch: chips would compute padding and the loss would change
+                raise ConfigError(f"training.batch_size={cfg.training.batch_size} is the global batch in "
+                                  f"xla.mode=spmd and must divide over xla.mesh data x fsdp = "
+                                  f"{m.data} x {m.fsdp} = {shards} devices")
             self.world_size, self.rank, self.is_master = 1, 0, xr.process_index() == 0
-            self.n_devices = n
+            problem = tp_problem(self.mesh, m) or scan_problem(cfg)
         else:
             self.world_size = xr.world_size()
             self.rank = xr.global_ordinal()
             self.is_master = self.rank == 0  # the global master: one writer across hosts
-            self.n_devices = self.world_size
-        # Decisions in one process are checked at log intervals too (a step closure's flags are
-        # known after the log step's sync).
-        self.signal_check_interval = cfg.logging.interval
-        self._specs: dict[int, tuple] = {}
-        self.checkpoint_format = "dcp" if self.spmd else "file"
+            problem = ""
+        # One gloo group over every process (world = hosts in SPMD, ordinals in ddp; its TCP store
+        # is on host 0: MASTER_ADDR or the TPU metadata, MASTER_PORT, default 12355), made once:
+        # the launch checks, the loop's decisions and checkpoint I/O all go through it.
         self.processes = xr.process_count() if self.spmd else self.world_size
         if self.processes > 1:
-            import torch.distributed as dist
-            from torch_xla.distributed import xla_backend  # noqa: F401  (registers xla://)
-            # world = hosts (SPMD) or ordinals (ddp); the TCP store is on host 0 (MASTER_ADDR /
-            # the TPU metadata), port MASTER_PORT (default 12355).
-            dist.init_process_group("gloo", init_method="xla://")
+            import torch_xla.distributed.xla_backend  # noqa: F401  (registers xla://)
+            init_gloo("xla://")
             self.host = HostGroup(new_gloo_group())
-            self.ckpt_group = new_gloo_group()
+            self.ckpt_group = new_gloo_group()  # the checkpoint writer's thread has its own
+        self.checkpoint_format = "dcp" if self.spmd else "file"
+        self._agree_at_launch(cfg, problem)
+        # Decisions (stop after SIGTERM or non-finite steps) are taken at log steps, where every
+        # process is; a step closure's flags are known after the log step's sync.
+        self.signal_check_interval = cfg.logging.interval
+        self._specs: dict[int, tuple] = {}
+        # Log lines run in torch_xla's asynchronous step closures; wait_host() waits for them.
+        self._host_pending = 0
+        self._host_done = threading.Condition()
+        self._host_error: BaseException | None = None
+
+    def _agree_at_launch(self, cfg, problem: str) -> None:
+        """The launch checks whose inputs differ between hosts, decided by all processes together
+        before anything compiles: the data (every host's meta.json fingerprint) and this host's
+        share of the mesh check. All refuse with the same one-line error, or none does."""
+        meta = json.loads((Path(cfg.data.dir).expanduser() / "meta.json").read_text())
+        entries = self.host.all_gather_text(f"{data_fingerprint(meta)}\n{problem}")
+        verdict = launch_verdict(entries, cfg.data.dir)
+        if verdict:
+            raise ConfigError(verdict)
 
     def _init_cache(self, cache: str | None) -> None:
         if not cache:
@@ -163,7 +337,7 @@ class XLABackend(Backend):
         path.mkdir(parents=True, exist_ok=True)
         try:
             xr.initialize_cache(str(path), readonly=False)
-        except RuntimeError as e:  # already initialised in this process (tests, notebooks)
+        except AssertionError as e:  # torch_xla 2.9 asserts: already initialised (tests, notebooks)
             if "already" not in str(e).lower():
                 raise
 
@@ -172,6 +346,8 @@ class XLABackend(Backend):
         if cfg.model.activation_checkpointing:
             import torch_xla.utils.checkpoint as xcp
             model.checkpoint_fn = xcp.checkpoint
+        if cfg.xla.scan_layers:
+            model.blocks_fn = ScanBlocks(len(model.stat_names))
         model = model.to(self.device)  # NashMHC._apply re-ties the embedding and LM head on XLA
         assert not cfg.model.tie_embeddings or model.lm_head.weight is model.tok_emb.weight
         if self.spmd:
@@ -206,6 +382,15 @@ class XLABackend(Backend):
         batches.close()
 
     # -- the step ----------------------------------------------------------------------------
+    def keep_gradients(self, params, accumulation: int) -> bool:
+        if accumulation == 1:
+            return False  # gradients freed after each update: no buffer held during the forward
+        for p in params:
+            p.grad = torch.zeros_like(p)
+            if self.spmd and id(p) in self._specs:
+                self.xs.mark_sharding(p.grad, self.mesh, self._specs[id(p)])
+        return True
+
     def reduce_gradients(self, optimizer) -> None:
         if not self.spmd and self.world_size > 1:
             xm.reduce_gradients(optimizer)
@@ -218,10 +403,37 @@ class XLABackend(Backend):
             return t
         return xm.all_reduce(xm.REDUCE_SUM, t, scale=1.0 / self.world_size)
 
-    def on_host(self, fn: Callable[[dict], None], tensors: dict) -> None:
-        def closure(values):
-            fn({k: float(v.cpu()) for k, v in values.items()})
-        xm.add_step_closure(closure, args=(tensors,))
+    def on_host(self, fn: Callable[..., None], values: torch.Tensor, *args) -> None:
+        """``fn(numbers, *args)`` in an asynchronous step closure: after the next sync, a
+        background thread waits for ``values`` (one device-to-host transfer) and calls ``fn``,
+        while the loop traces the next step. Closures run one at a time, in order."""
+        self._raise_host_error()
+
+        def closure(v):
+            try:
+                fn(v.cpu().tolist(), *args)
+            except BaseException as e:  # raised in the loop's thread by the next on_host/wait_host
+                self._host_error = self._host_error or e
+            finally:
+                with self._host_done:
+                    self._host_pending -= 1
+                    self._host_done.notify_all()
+
+        with self._host_done:
+            self._host_pending += 1
+        xm.add_step_closure(closure, args=(values,), run_async=True)
+
+    def wait_host(self) -> None:
+        if self._host_pending:
+            torch_xla.sync()  # closures start at a sync; a queued one must not wait forever
+        with self._host_done:
+            self._host_done.wait_for(lambda: self._host_pending == 0)
+        self._raise_host_error()
+
+    def _raise_host_error(self) -> None:
+        if self._host_error is not None:
+            e, self._host_error = self._host_error, None
+            raise e
 
     # -- checkpoints -------------------------------------------------------------------------
     def stage(self, state: dict, sharded: bool) -> dict | None:
@@ -268,20 +480,20 @@ class XLABackend(Backend):
                      process_group=self.ckpt_group, no_dist=self.ckpt_group is None)
 
     # -- reporting ---------------------------------------------------------------------------
+    @property
+    def n_devices(self) -> int:
+        return xr.global_runtime_device_count() if self.spmd else self.world_size
+
     def device_name(self) -> str:
-        kind = xr.device_type() or "XLA"
-        try:
-            attrs = xm.get_device_attributes() if hasattr(xm, "get_device_attributes") else {}
-        except Exception:
-            attrs = {}
-        desc = attrs.get("device_kind") if isinstance(attrs, dict) else None
+        kind = xm.xla_device_kind() if xr.device_type() == "TPU" else xr.device_type() or "XLA"
         mode = f"spmd mesh {tuple(self.mesh.mesh_shape)}" if self.spmd else "ddp"
-        return f"{desc or kind} ({self.n_devices} device(s), {mode})"
+        return f"{kind} ({self.n_devices} device(s), {mode})"
 
     def peak_flops(self) -> float | None:
-        if xr.device_type() == "TPU":
-            return peak_flops_for(f"TPU {self.device_name()}")
-        return None
+        """Dense bf16 peak of one chip, from the device kind ("TPU v4", "TPU v5 lite", ...)."""
+        if xr.device_type() != "TPU":
+            return None
+        return peak_flops_for(xm.xla_device_kind())
 
     def log_extras(self) -> dict:
         c = xla_counters()

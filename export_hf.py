@@ -1,0 +1,326 @@
+#!/usr/bin/env python3
+"""Export a checkpoint to the Hugging Face format, or import Llama weights to start a run from.
+
+    python export_hf.py runs/demo hf/demo                        # a run's newest checkpoint
+    python export_hf.py runs/demo/ckpt_00001000.pt hf/demo --dtype bf16
+    python export_hf.py --import path/to/llama init.pt           # then checkpoint.init_from=init.pt
+
+Export: CHECKPOINT is a ckpt_*.pt file, a sharded checkpoint directory, or a run directory (its
+newest checkpoint that loads). OUT_DIR gets model.safetensors (shards and
+model.safetensors.index.json above --max-shard-size), config.json, generation_config.json and the
+tokenizer files of the run's data directory.
+  - The baseline architecture (1 mHC stream, 1 attention scale, no window) is a plain
+    LlamaForCausalLM: AutoModelForCausalLM.from_pretrained(OUT_DIR), vLLM and friends load it.
+  - Every other architecture is NashMHCForCausalLM, remote code: OUT_DIR holds
+    modeling_nash_mhc.py (a thin transformers wrapper) and a copy of model.py, named by
+    config.json's auto_map: AutoModelForCausalLM.from_pretrained(OUT_DIR, trust_remote_code=True).
+Before OUT_DIR appears, the written files are loaded back with transformers and their logits
+compared with the checkpoint's own model (--no-verify skips this). The export is built under a
+temporary name next to OUT_DIR and renamed into place; an existing OUT_DIR is replaced only with
+--overwrite, and only if it is an earlier export.
+
+Import: HF_DIR is a local Llama-architecture checkpoint (config.json and safetensors). OUT.pt holds
+its weights as a Nash-MHC baseline (exactly: the same tensors under our names) and the model
+section a run config needs; `checkpoint.init_from` starts a run from it (or from HF_DIR itself).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import secrets
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+import yaml
+
+from model import NashMHC
+from prepare_data import DataError, TokenizerSpec, install
+from training.checkpoint import FORMAT_VERSION, CheckpointError, atomic_torch_save
+from training.config import Config, ConfigError
+from training.hf import (from_llama_state_dict, llama_incompatibility, load_llama, load_training_checkpoint,
+                         max_logit_difference, model_from_checkpoint, probe_tokens, to_llama_config,
+                         to_llama_state_dict)
+
+# transformers takes seconds to import: it is imported where it is used, after the input is checked
+
+PROG = "export_hf.py"
+ROOT = Path(__file__).resolve().parent
+REMOTE_CODE = ("modeling_nash_mhc.py", "model.py")  # copied verbatim into a remote-code export
+AUTO_MAP = {"AutoConfig": "modeling_nash_mhc.NashMHCConfig",
+            "AutoModelForCausalLM": "modeling_nash_mhc.NashMHCForCausalLM"}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+TOLERANCE = 1e-4  # max |logit difference|, relative to max(1, max |logit|)
+
+
+class ExportError(Exception):
+    """Bad input: reported as one line, no traceback."""
+
+
+def say(msg: str) -> None:
+    print(f"{PROG}: {msg}", file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# Export
+
+
+def check_out_dir(out: Path, overwrite: bool) -> None:
+    """Before any work: OUT_DIR is new or empty, or (with --overwrite) an earlier export."""
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"{out}: exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()):
+        if not overwrite:
+            raise ExportError(f"{out}: directory is not empty; pass --overwrite to replace an earlier export")
+        if not (out / "config.json").is_file():
+            raise ExportError(f"{out}: holds no config.json, so it is not an earlier export; refusing to replace it")
+
+
+def tokenizer_spec(tok_dir: Path):
+    """prepare_data.py's reading of a tokenizer directory: tokenizer.json, its special tokens and
+    the transformers files to write beside it."""
+    if not (tok_dir / "tokenizer.json").is_file():
+        raise ExportError(f"{tok_dir}: no tokenizer.json (the run's data directory moved? pass --tokenizer DIR)")
+    try:
+        return TokenizerSpec.load(str(tok_dir))
+    except DataError as e:
+        raise ExportError(str(e).replace("--tokenizer ", "", 1)) from None
+
+
+def vocabulary(model_rows: int, spec) -> tuple[int, list[str]]:
+    """The exported vocabulary size and the lines that say how tokenizer ids map onto it."""
+    rows = max(model_rows, spec.vocab_size)
+    lines = []
+    if spec.vocab_size < model_rows:
+        lines.append(f"vocabulary: {model_rows} model rows, {spec.vocab_size} tokenizer ids: rows "
+                     f"{spec.vocab_size}-{model_rows - 1} are padding no text encodes to")
+    elif spec.vocab_size > model_rows:
+        lines.append(f"warning: the tokenizer has {spec.vocab_size} ids, the model {model_rows} rows: "
+                     f"rows {model_rows}-{spec.vocab_size - 1} are added as zeros (never trained; their "
+                     "logits are 0). Was this checkpoint trained with another tokenizer?")
+    else:
+        lines.append(f"vocabulary: {rows} ids, the tokenizer's and the model's")
+    bos = "bos = eos" if spec.bos == spec.eos else f"bos {spec.bos!r} = {spec.bos_id}"
+    pad = (f"pad {spec.pad!r} = {spec.pad_id}" if spec.pad is not None
+           else f"no pad token: pad_token_id = eos ({spec.eos_id}) for batched generation")
+    lines.append(f"special tokens: eos {spec.eos!r} = {spec.eos_id}, {bos}, {pad}")
+    return rows, lines
+
+
+def padded_state_dict(model, rows: int) -> dict:
+    """The model's state dict with the vocabulary matrices padded with zero rows up to ``rows``
+    (tied embeddings stay one tensor)."""
+    sd = dict(model.state_dict())
+    extra = rows - model.config.vocab_size
+    if extra > 0:
+        emb = torch.cat([sd["tok_emb.weight"], sd["tok_emb.weight"].new_zeros(extra, model.config.d_model)])
+        sd["lm_head.weight"] = emb if model.config.tie_embeddings else \
+            torch.cat([sd["lm_head.weight"], sd["lm_head.weight"].new_zeros(extra, model.config.d_model)])
+        sd["tok_emb.weight"] = emb
+    return sd
+
+
+def build_hf_model(model, sd: dict, rows: int, spec):
+    """The transformers model holding ``sd``: LlamaForCausalLM for the baseline, else the
+    remote-code wrapper. Built on the meta device, then given the checkpoint's tensors."""
+    from transformers import GenerationConfig, LlamaForCausalLM
+
+    cfg = model.config
+    pad = spec.pad_id if spec.pad_id is not None else spec.eos_id
+    ids = dict(bos_token_id=spec.bos_id, eos_token_id=spec.eos_id, pad_token_id=spec.pad_id)
+    if llama_incompatibility(cfg) is None:
+        with torch.device("meta"):
+            hf = LlamaForCausalLM(to_llama_config(cfg, rows, **ids))
+        hf.load_state_dict(to_llama_state_dict(sd, cfg), strict=True, assign=True)
+        hf.config.rope_theta = cfg.rope_theta  # also where transformers 4.x (and tools on it) read it
+        use_cache = True
+    else:
+        from modeling_nash_mhc import NashMHCConfig, NashMHCForCausalLM
+
+        hf_cfg = NashMHCConfig(**dataclasses.replace(cfg, vocab_size=rows).to_dict(), **ids)
+        hf_cfg.auto_map = dict(AUTO_MAP)
+        with torch.device("meta"):
+            hf = NashMHCForCausalLM(hf_cfg)
+        hf.model.load_state_dict(sd, strict=True, assign=True)
+        use_cache = False
+    hf.tie_weights()
+    hf.generation_config = GenerationConfig(bos_token_id=spec.bos_id, eos_token_id=spec.eos_id,
+                                            pad_token_id=pad, use_cache=use_cache)
+    return hf
+
+
+def export(args) -> str:
+    out = Path(args.out)
+    check_out_dir(out, args.overwrite)
+    where, ckpt = load_training_checkpoint(args.checkpoint, warn=say)
+    model = model_from_checkpoint(ckpt, where)
+    cfg = model.config
+    try:
+        data_dir = Path(ckpt["config"]["data"]["dir"]).expanduser()
+    except (KeyError, TypeError):
+        data_dir = None
+    if args.tokenizer is None and data_dir is None:
+        raise ExportError(f"{where}: no data.dir in the stored config; pass --tokenizer DIR")
+    tok_dir = Path(args.tokenizer).expanduser() if args.tokenizer else data_dir
+    spec = tokenizer_spec(tok_dir)
+    rows, vocab_lines = vocabulary(cfg.vocab_size, spec)
+    why_remote = llama_incompatibility(cfg)
+    kind = "LlamaForCausalLM" if why_remote is None else f"NashMHCForCausalLM, remote code ({why_remote})"
+    say(f"{where} (step {ckpt.get('step', '?')}): {model.num_params() / 1e6:.2f}M parameters -> {kind}")
+    for line in vocab_lines:
+        say(line)
+    step = ckpt.get("step")
+    del ckpt
+
+    from transformers import LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    dtype = DTYPES[args.dtype]
+    hf = build_hf_model(model, padded_state_dict(model, rows), rows, spec).to(dtype)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = out.with_name(f".{out.name}.partial-{os.getpid()}-{secrets.token_hex(4)}")
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        hf.save_pretrained(staging, max_shard_size=args.max_shard_size)
+        del hf
+        shutil.copyfile(tok_dir / "tokenizer.json", staging / "tokenizer.json")
+        for name, data in spec.hf_files.items():
+            (staging / name).write_bytes(data)
+        if why_remote is not None:
+            for name in REMOTE_CODE:
+                shutil.copyfile(ROOT / name, staging / name)
+        umask = os.umask(0)
+        os.umask(umask)
+        for f in staging.iterdir():
+            f.chmod(0o666 & ~umask)  # safetensors writes its files 0600: readable as every other file
+            with open(f, "rb+") as fh:
+                os.fsync(fh.fileno())
+        check = ""
+        if not args.no_verify:
+            if why_remote is None:
+                loaded = LlamaForCausalLM.from_pretrained(staging, dtype=torch.float32)
+            else:
+                from modeling_nash_mhc import NashMHCForCausalLM
+                loaded = NashMHCForCausalLM.from_pretrained(staging, dtype=torch.float32)
+            if loaded.config.vocab_size != rows:
+                raise ExportError(f"{staging}: config.json says vocab_size={loaded.config.vocab_size}, not {rows}")
+            reference = model.to(dtype).float()  # the exported weights, computed in fp32 as `loaded` is
+            reference.init_buffers()  # derived in fp32, as from_pretrained derives them
+            diff, scale = max_logit_difference(reference, loaded.eval(), probe_tokens(cfg.vocab_size, cfg.max_seq_len))
+            if not diff <= TOLERANCE * max(1.0, scale):
+                raise ExportError(f"the exported model's logits differ from the checkpoint's by {diff:.3g} "
+                                  f"(max |logit| {scale:.3g}): export refused")
+            check = f"; transformers' logits match ours to {diff:.1e}"
+        install(staging, out)  # rename into place (replacing an earlier export)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+    weights = sorted(p.name for p in out.glob("*.safetensors"))
+    size = sum((out / w).stat().st_size for w in weights)
+    return (f"wrote {out}: step {step}, {len(weights)} safetensors file(s), {size / 1e6:.1f} MB "
+            f"{args.dtype}{check}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Import
+
+
+def import_llama(args) -> str:
+    out = Path(args.paths[0])
+    if out.exists() and not args.overwrite:
+        raise ExportError(f"{out}: exists; pass --overwrite to replace it")
+    if out.is_dir():
+        raise ExportError(f"{out}: is a directory; give a file name such as init.pt")
+    cfg, hf = load_llama(args.import_dir)
+    model = NashMHC(cfg).eval()
+    model.load_state_dict(from_llama_state_dict(hf.state_dict(), cfg))
+    diff, scale = max_logit_difference(model, hf, probe_tokens(cfg.vocab_size, cfg.max_seq_len))
+    if not diff <= TOLERANCE * max(1.0, scale):
+        raise ExportError(f"{args.import_dir}: our logits differ from transformers' by {diff:.3g} "
+                          f"(max |logit| {scale:.3g}): import refused")
+    del hf
+    run_config = Config(model=cfg).to_dict()
+    atomic_torch_save({
+        "format_version": FORMAT_VERSION,
+        "model": model.state_dict(),   # weights only: start a run from it with checkpoint.init_from
+        "config": run_config,
+        "step": 0,
+        "trainer": f"{PROG} --import {args.import_dir}",
+    }, out)
+    section = yaml.safe_dump({"model": run_config["model"]}, sort_keys=False).rstrip()
+    hf_dir = Path(args.import_dir)
+    data = (f"prepare_data.py --tokenizer {hf_dir}" if (hf_dir / "tokenizer.json").is_file()
+            else "prepare_data.py --tokenizer with this model's tokenizer")
+    return (f"wrote {out}: a Nash-MHC baseline with the {model.num_params() / 1e6:.2f}M weights of "
+            f"{hf_dir} (logits match transformers' to {diff:.1e}).\nStart a run from it with "
+            f"checkpoint.init_from={out}, data from {data}, and this model section:\n{section}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line
+
+
+def shard_size(text: str) -> int:
+    """Bytes from "5GB", "500MB", "200KB" (decimal units, as transformers counts them)."""
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+    try:
+        value = float(text[:-2]) * units[text[-2:].upper()]
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"not a size such as 5GB or 500MB: {text!r}") from None
+    if not value >= 1:
+        raise argparse.ArgumentTypeError(f"must be positive: {text!r}")
+    return int(value)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line instead of usage + message
+        raise ExportError(f"{message} (see --help)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = _Parser(prog=PROG, description=__doc__.split("\n\n")[0],
+                 epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("paths", nargs="+", metavar="PATH", help="CHECKPOINT OUT_DIR (export), or OUT.pt (--import)")
+    ap.add_argument("--import", dest="import_dir", metavar="HF_DIR",
+                    help="import a local Llama checkpoint directory into OUT.pt instead of exporting")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
+                    help="weights in the export (default fp32: exactly the checkpoint's)")
+    ap.add_argument("--max-shard-size", type=shard_size, default="5GB", metavar="SIZE",
+                    help="split model.safetensors above this size, with an index (default 5GB)")
+    ap.add_argument("--tokenizer", metavar="DIR",
+                    help="tokenizer directory (default: the data.dir of the checkpoint's config)")
+    ap.add_argument("--overwrite", action="store_true", help="replace an earlier export (or OUT.pt)")
+    ap.add_argument("--no-verify", action="store_true",
+                    help="skip loading the export back and comparing its logits with ours")
+    try:
+        args = ap.parse_args(argv)
+        if args.import_dir is None and len(args.paths) != 2:
+            raise ExportError("give CHECKPOINT OUT_DIR (see --help)")
+        if args.import_dir is not None and len(args.paths) != 1:
+            raise ExportError("--import HF_DIR takes one more argument, OUT.pt (see --help)")
+        if args.import_dir is None:
+            args.checkpoint, args.out = args.paths
+        summary = import_llama(args) if args.import_dir is not None else export(args)
+    except SystemExit as e:  # --help
+        return e.code if isinstance(e.code, int) else 0
+    except Exception as e:
+        if not isinstance(e, (ExportError, CheckpointError, ConfigError, OSError)):
+            raise
+        msg = " ".join(str(e).split()) if not isinstance(e, OSError) or not e.filename else \
+            f"{e.filename}: {e.strerror}"
+        print(f"{PROG}: error: {msg}", file=sys.stderr)
+        return 2
+    print(summary, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,134 @@
+"""Nash-MHC for Hugging Face transformers: a thin wrapper around model.py.
+
+export_hf.py writes this file and a verbatim copy of model.py next to config.json, and names them
+in config.json's ``auto_map``, so an exported directory loads with
+
+    AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)
+
+The wrapper adds no maths: ``NashMHCForCausalLM.model`` is model.py's ``NashMHC`` and its weights
+are the training checkpoint's, under a ``model.`` prefix. ``NashMHCConfig`` holds model.py's
+``ModelConfig`` fields as they are (with the standard transformers names mapped onto them).
+
+There is no KV cache: every generated token recomputes the context, cropped to ``max_seq_len``
+exactly as ``NashMHC.generate`` does, so greedy decoding gives the same tokens.
+"""
+from __future__ import annotations
+
+import torch
+from transformers import GenerationMixin, PreTrainedConfig, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutput
+
+try:  # an exported directory: transformers imports this file from a package holding model.py
+    from .model import ModelConfig, NashMHC
+except ImportError:  # the repository (export_hf.py)
+    from model import ModelConfig, NashMHC
+
+
+class NashMHCConfig(PreTrainedConfig):
+    """model.py's ``ModelConfig`` fields (checked by it) plus the special token ids."""
+
+    model_type = "nash_mhc"
+    attribute_map = {
+        "hidden_size": "d_model",
+        "num_hidden_layers": "n_layers",
+        "num_attention_heads": "n_heads",
+        "num_key_value_heads": "n_kv_heads",
+        "max_position_embeddings": "max_seq_len",
+        "rms_norm_eps": "norm_eps",
+        "tie_word_embeddings": "tie_embeddings",
+    }
+
+    def __init__(self, bos_token_id=None, eos_token_id=None, pad_token_id=None, use_cache=False, **kwargs):
+        fields = ModelConfig().to_dict()
+        for key in list(kwargs):
+            name = self.attribute_map.get(key, key)
+            if name in fields:
+                fields[name] = kwargs.pop(key)
+        ModelConfig.from_dict(fields)  # the model's own checks: one line naming the field
+        super().__init__(**kwargs)
+        for name, value in fields.items():
+            setattr(self, name, value)
+        self.bos_token_id, self.eos_token_id, self.pad_token_id = bos_token_id, eos_token_id, pad_token_id
+        self.use_cache = use_cache  # there is no KV cache
+
+    def model_config(self) -> ModelConfig:
+        return ModelConfig.from_dict({name: getattr(self, name) for name in ModelConfig().to_dict()})
+
+
+class NashMHCForCausalLM(PreTrainedModel, GenerationMixin):
+    config_class = NashMHCConfig
+    base_model_prefix = "model"
+    _no_split_modules = ["Block"]
+    _tied_weights_keys = {"model.lm_head.weight": "model.tok_emb.weight"}  # when tie_embeddings
+
+    def __init__(self, config: NashMHCConfig):
+        super().__init__(config)
+        self.model = NashMHC(config.model_config())
+        self.post_init()
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        # NashMHC initialises its own parameters, and from_pretrained loads every one of them. What
+        # from_pretrained leaves uninitialised are the derived buffers, built on the meta device.
+        if isinstance(module, NashMHC):
+            module.init_buffers()
+
+    def get_input_embeddings(self):
+        return self.model.tok_emb
+
+    def get_output_embeddings(self):
+        return self.model.lm_head
+
+    def forward(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None,
+                labels: torch.LongTensor | None = None, **kwargs) -> CausalLMOutput:
+        """Logits ``[B, T, vocab]``; ``labels`` give transformers' shifted causal-LM loss.
+
+        ``attention_mask`` may mark padding on either side of each row. The model has no padding
+        mask: right padding cannot change a causal model's earlier outputs, so right-padded (or
+        unpadded) batches run as one; a batch with left padding runs row by row on each row's own
+        tokens (positions then start at 0 as they do in training), and padded positions get
+        zero logits.
+        """
+        for name in ("inputs_embeds", "past_key_values"):
+            if kwargs.get(name) is not None:
+                raise ValueError(f"NashMHCForCausalLM does not take {name}")
+        if attention_mask is None:
+            logits = self.model(input_ids).logits
+        else:
+            mask = attention_mask.bool()
+            lengths = mask.sum(dim=1)
+            right_padded = torch.equal(mask, torch.arange(mask.shape[1], device=mask.device) < lengths[:, None])
+            if right_padded:
+                logits = self.model(input_ids).logits
+            else:
+                logits = None
+                for b in range(input_ids.shape[0]):
+                    keep = mask[b].nonzero().flatten()
+                    if keep.numel() == 0:
+                        continue
+                    start, stop = int(keep[0]), int(keep[-1]) + 1
+                    if stop - start != keep.numel():
+                        raise ValueError("attention_mask must be one run of ones per row (padding on the left "
+                                         "or the right only)")
+                    row = self.model(input_ids[b:b + 1, start:stop]).logits[0]
+                    if logits is None:
+                        logits = row.new_zeros(*input_ids.shape, row.shape[-1])
+                    logits[b, start:stop] = row
+                if logits is None:
+                    raise ValueError("attention_mask masks every token")
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size)
+        return CausalLMOutput(loss=loss, logits=logits)
+
+    def prepare_inputs_for_generation(self, input_ids, attention_mask=None, **kwargs):
+        """The whole context at every step (no KV cache), cropped to max_seq_len as in NashMHC.generate."""
+        n = self.config.max_seq_len
+        inputs = {"input_ids": input_ids[:, -n:]}
+        if attention_mask is not None:
+            inputs["attention_mask"] = attention_mask[:, -n:]
+        return inputs
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False  # generate() must not build a KV cache this model would ignore

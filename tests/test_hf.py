@@ -1,0 +1,439 @@
+"""Hugging Face interop (export_hf.py, modeling_nash_mhc.py, training/hf.py), checked against
+transformers' own classes and lm-evaluation-harness.
+
+Checkpoints are built in-process (a tiny model moved away from its initialisation, so every gate,
+bias and temperature matters) in the trainers' checkpoint format, on the stdlib test corpus's
+tokenizer. Logits are compared in fp32 to 1e-4 (observed: ~1e-6 for Llama, 0 for the remote code,
+which runs model.py itself).
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+import yaml
+
+import export_hf
+from model import ModelConfig, NashMHC
+from training.checkpoint import (FORMAT_VERSION, CheckpointError, atomic_torch_save, checkpoint_path,
+                                 load_checkpoint)
+from training.config import Config, DataConfig, TrainingConfig
+
+from helpers import ENV, ROOT, losses, metrics, tiny_config
+
+TINY = dict(vocab_size=512, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64, dropout=0.0)
+BASELINE = dict(mhc_streams=1, nash_scales=1, nash_window=0)
+NASH = dict(mhc_streams=2, nash_scales=3, nash_compression=4, nash_window=16, nash_pool="learned")
+NASH_LITE = dict(mhc_streams=3, mhc_lite=True, nash_scales=2, nash_window=8, aggregation="convex",
+                 tie_embeddings=False)
+
+
+def make_run(run_dir, data_dir, step=7, seed=0, **model):
+    """A run directory with one checkpoint as the trainers write it; returns the model."""
+    cfg = Config(model=ModelConfig(**{**TINY, **model}), data=DataConfig(dir=str(data_dir), seq_len=32),
+                 training=TrainingConfig(max_steps=step))
+    torch.manual_seed(seed)
+    m = NashMHC(cfg.model).eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(torch.randn_like(p) * (0.5 if p.ndim < 2 else 0.05))
+    atomic_torch_save({"format_version": FORMAT_VERSION, "model": m.state_dict(), "optimizer": {},
+                       "step": step, "tokens_seen": 0, "data": {"epoch": 0, "offset": 0}, "rng": {},
+                       "config": cfg.to_dict(), "trainer": "test"}, checkpoint_path(run_dir, step))
+    return m
+
+
+def export(*args) -> int:
+    return export_hf.main([str(a) for a in args])
+
+
+def one_error_line(err: str) -> str:
+    lines = [ln for ln in err.splitlines() if ln.startswith("export_hf.py: error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def nash_export(tmp_path_factory, stdlib_data):
+    tmp = tmp_path_factory.mktemp("nash")
+    model = make_run(tmp / "run", stdlib_data, **NASH)
+    assert export(tmp / "run", tmp / "hf") == 0
+    return model, tmp / "hf"
+
+
+def tokens(n_rows, length, vocab=512, seed=1):
+    return torch.randint(0, vocab, (n_rows, length), generator=torch.Generator().manual_seed(seed))
+
+
+def until_eos(row, eos):
+    row = list(row)
+    return row[:row.index(eos) + 1] if eos in row else row
+
+
+def test_baseline_exports_as_plain_llama(tmp_path, stdlib_data, capsys):
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaForCausalLM
+    from tokenizers import Tokenizer
+
+    ours = make_run(tmp_path / "run", stdlib_data, step=5, **BASELINE)
+    newest = make_run(tmp_path / "run", stdlib_data, step=7, seed=1, rope_theta=50000.0, **BASELINE)
+    (tmp_path / "run" / "ckpt_00000009.pt").write_bytes(b"truncated")  # newest file, corrupt: skipped
+    out = tmp_path / "hf"
+    assert export(tmp_path / "run", out, "--max-shard-size", "150KB") == 0
+    err = capsys.readouterr().err
+    assert "ckpt_00000009.pt" in err and "ckpt_00000007.pt" in err and "LlamaForCausalLM" in err
+    assert not list(out.glob("*.py"))  # no remote code
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "llama" and "auto_map" not in config and config["dtype"] == "float32"
+    assert config["rope_parameters"]["rope_theta"] == config["rope_theta"] == 50000.0
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1  # sharded above --max-shard-size
+
+    hf = AutoModelForCausalLM.from_pretrained(out)  # no trust_remote_code
+    assert type(hf) is LlamaForCausalLM and hf.dtype == torch.float32
+    x = tokens(2, 64)
+    with torch.no_grad():
+        assert (hf(x).logits - newest(x).logits).abs().max() <= 1e-4
+        assert (hf(x).logits - ours(x).logits).abs().max() > 1e-2  # it is the newest checkpoint
+    prompt = tokens(1, 20, seed=2)
+    got = hf.generate(prompt, max_new_tokens=40, do_sample=False)  # with transformers' KV cache
+    assert until_eos(got[0, 20:].tolist(), 0) == until_eos(newest.generate(prompt, 40, temperature=0)[0, 20:].tolist(), 0)
+
+    tok = AutoTokenizer.from_pretrained(out)
+    text = "def f(x):\n    return x + 1\n"
+    assert tok(text)["input_ids"] == Tokenizer.from_file(str(stdlib_data / "tokenizer.json")).encode(text).ids
+    meta = json.loads((stdlib_data / "meta.json").read_text())
+    gen = GenerationConfig.from_pretrained(out)
+    assert tok.eos_token_id == config["eos_token_id"] == gen.eos_token_id == meta["eos_id"]
+    assert tok.pad_token_id == config["pad_token_id"] == gen.pad_token_id == meta["pad_id"]
+
+
+@pytest.mark.parametrize("arch", [NASH, NASH_LITE], ids=["nash-mhc", "mhc-lite-convex-untied"])
+def test_nash_mhc_exports_with_remote_code(tmp_path, stdlib_data, arch, request):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if arch is NASH:
+        ours, out = request.getfixturevalue("nash_export")
+    else:
+        ours, out = make_run(tmp_path / "run", stdlib_data, **arch), tmp_path / "hf"
+        assert export(tmp_path / "run", out) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "nash_mhc" and config["auto_map"] == export_hf.AUTO_MAP
+    for name in ("model.py", "modeling_nash_mhc.py"):  # the repository's code, verbatim
+        assert (out / name).read_bytes() == (ROOT / name).read_bytes()
+    hf = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    assert type(hf).__name__ == "NashMHCForCausalLM" and hf.config.model_config().to_dict() == ours.config.to_dict()
+    x = tokens(2, 50)  # not a multiple of the coarsest block: padded inside, as in training
+    with torch.no_grad():
+        assert (hf(x).logits - ours(x).logits).abs().max() <= 1e-4
+        labels = x.clone()
+        want = F.cross_entropy(ours(x).logits[:, :-1].flatten(0, 1), x[:, 1:].flatten())
+        assert torch.allclose(hf(x, labels=labels).loss, want, atol=1e-5)  # transformers' shifted loss
+
+    # greedy decoding, past max_seq_len (64): the context is cropped as NashMHC.generate crops it
+    prompt = tokens(1, 40, seed=3)
+    got = hf.generate(prompt, max_new_tokens=40, do_sample=False)
+    assert until_eos(got[0, 40:].tolist(), 0) == until_eos(ours.generate(prompt, 40, temperature=0)[0, 40:].tolist(), 0)
+    # a left-padded batch: every row continues as it does alone
+    tok = AutoTokenizer.from_pretrained(out, padding_side="left")
+    texts = ["import os\nimport sys\n", "def main():\n    return"]
+    batch = tok(texts, return_tensors="pt", padding=True)
+    assert (batch["attention_mask"] == 0).any()
+    got = hf.generate(**batch, max_new_tokens=12, do_sample=False)
+    for i, text in enumerate(texts):
+        alone = ours.generate(torch.tensor([tok(text)["input_ids"]]), 12, temperature=0)[0, -12:]
+        assert until_eos(got[i, -12:].tolist(), 0) == until_eos(alone.tolist(), 0)
+
+
+def test_bf16_export(tmp_path, stdlib_data):
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    ours = make_run(tmp_path / "run", stdlib_data, **NASH)
+    assert export(tmp_path / "run" / "ckpt_00000007.pt", tmp_path / "hf", "--dtype", "bf16") == 0
+    with safe_open(tmp_path / "hf" / "model.safetensors", "pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["dtype"] == "bfloat16"
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", trust_remote_code=True, dtype=torch.float32)
+    x = tokens(2, 64)
+    with torch.no_grad():
+        rounded = ours.to(torch.bfloat16).float()  # the exported weights, in fp32
+        rounded.init_buffers()  # rotary tables in fp32, as from_pretrained builds them
+        assert (hf(x).logits - rounded(x).logits).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("model_rows", [520, 300])
+def test_vocabulary_mapping(tmp_path, stdlib_data, capsys, model_rows):
+    """Model rows above the tokenizer's (rounded up): kept, said; below (another tokenizer):
+    padded with zero rows up to the tokenizer's ids, said."""
+    from transformers import AutoModelForCausalLM
+
+    ours = make_run(tmp_path / "run", stdlib_data, **{**BASELINE, "vocab_size": model_rows, "tie_embeddings": False})
+    assert export(tmp_path / "run", tmp_path / "hf") == 0
+    err = capsys.readouterr().err
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert hf.config.vocab_size == max(model_rows, 512)
+    x = tokens(2, 32, vocab=min(model_rows, 512))
+    with torch.no_grad():
+        a, b = hf(x).logits, ours(x).logits
+    assert (a[..., :model_rows] - b).abs().max() <= 1e-4
+    if model_rows > 512:
+        assert "rows 512-519 are padding" in err
+    else:
+        assert "rows 300-511 are added as zeros" in err and "warning" in err
+        assert torch.equal(a[..., 300:], torch.zeros_like(a[..., 300:]))
+        assert torch.equal(hf.model.embed_tokens.weight[300:], torch.zeros(212, 64))
+
+
+def test_refusals_are_one_line_and_touch_nothing(tmp_path, stdlib_data, capsys, monkeypatch):
+    make_run(tmp_path / "run", stdlib_data, **BASELINE)
+    good = tmp_path / "run" / "ckpt_00000007.pt"
+    out = tmp_path / "hf"
+
+    truncated = tmp_path / "truncated.pt"
+    truncated.write_bytes(good.read_bytes()[:5000])
+    assert export(truncated, out) == 2
+    assert "truncated.pt: not a loadable checkpoint" in one_error_line(capsys.readouterr().err)
+
+    ckpt = load_checkpoint(good)
+    ckpt["config"]["model"]["mhc_fancy"] = 3  # a model.py that does not know this architecture
+    atomic_torch_save(ckpt, tmp_path / "future.pt")
+    assert export(tmp_path / "future.pt", out) == 2
+    assert "unknown architecture" in one_error_line(capsys.readouterr().err)
+
+    ckpt = load_checkpoint(good)
+    ckpt["model"]["blocks.0.attn.extra"] = torch.zeros(3)
+    atomic_torch_save(ckpt, tmp_path / "extra.pt")
+    assert export(tmp_path / "extra.pt", out) == 2
+    assert "blocks.0.attn.extra" in one_error_line(capsys.readouterr().err)
+
+    (tmp_path / "empty").mkdir()
+    assert export(tmp_path / "empty", out) == 2
+    assert "no checkpoint in this run directory" in one_error_line(capsys.readouterr().err)
+
+    monkeypatch.setattr(export_hf, "TOLERANCE", -1.0)  # a verification that fails: nothing written
+    assert export(good, out) == 2
+    assert "export refused" in one_error_line(capsys.readouterr().err)
+    monkeypatch.undo()
+    assert not out.exists() and not list(tmp_path.glob(".hf.partial-*"))
+
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    for extra in ([], ["--overwrite"]):  # a directory that is not an earlier export is never replaced
+        assert export(good, out, *extra) == 2
+        one_error_line(capsys.readouterr().err)
+    assert [p.name for p in out.iterdir()] == ["notes.txt"]
+    assert export(good, tmp_path / "hf2") == 0 and export(good, tmp_path / "hf2") == 2
+    assert export(good, tmp_path / "hf2", "--overwrite") == 0
+
+
+def test_pickled_code_is_refused_from_the_command_line(tmp_path):
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return os.system, (f"touch {marker}",)
+
+    evil = tmp_path / "evil.pt"
+    torch.save({"format_version": FORMAT_VERSION, "model": {}, "x": Evil()}, evil)
+    r = subprocess.run([sys.executable, "export_hf.py", str(evil), str(tmp_path / "hf")], cwd=ROOT, env=ENV,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and not marker.exists() and not (tmp_path / "hf").exists()
+    assert "evil.pt: not a loadable checkpoint" in one_error_line(r.stderr)
+
+
+@pytest.fixture
+def llama_dir(tmp_path):
+    """A checkpoint transformers itself writes: LlamaForCausalLM(...).save_pretrained."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                      rms_norm_eps=1e-5, tie_word_embeddings=False, initializer_range=0.1,
+                      rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+                      bos_token_id=0, eos_token_id=0)
+    hf = LlamaForCausalLM(cfg).eval()
+    hf.save_pretrained(tmp_path / "llama")
+    return tmp_path / "llama", hf
+
+
+def first_batch_loss(hf, data_dir, seq_len=32, batch_size=4, seed=7):
+    """transformers' model's loss on the batch a fresh run trains on first (tests/helpers.tiny_config)."""
+    from training.data import DataStream, TokenWindows
+
+    x, y = next(DataStream(TokenWindows(data_dir, "train", seq_len), batch_size, 1, 0, seed))
+    with torch.no_grad():
+        return F.cross_entropy(hf(x).logits.flatten(0, 1), y.flatten()).item()
+
+
+def test_import_llama_then_train_and_resume(tmp_path, stdlib_data, llama_dir, capsys):
+    from training import loop
+    from training.backend import TorchBackend
+    from training.config import load_config
+    from training.hf import llama_names
+
+    hf_dir, hf = llama_dir
+    init = tmp_path / "init.pt"
+    assert export("--import", hf_dir, init) == 0
+    printed = capsys.readouterr().out
+    ckpt = load_checkpoint(init)
+    names = llama_names(2)
+    hf_sd = hf.state_dict()
+    assert set(ckpt["model"]) == set(names)
+    for ours_name, hf_name in names.items():  # the weights, exactly
+        assert torch.equal(ckpt["model"][ours_name], hf_sd[hf_name]), ours_name
+    model_section = yaml.safe_load(printed[printed.index("model:"):])["model"]
+    assert model_section == ckpt["config"]["model"] and model_section["rope_theta"] == 500000.0
+    ours = NashMHC(ModelConfig(**model_section)).eval()
+    ours.load_state_dict(ckpt["model"])
+    x = tokens(2, 64)
+    with torch.no_grad():
+        assert (ours(x).logits - hf(x).logits).abs().max() <= 1e-4
+
+    def config(run, *overrides):
+        (tmp_path / run).mkdir(exist_ok=True)
+        path = tiny_config(tmp_path / run, stdlib_data)
+        tree = yaml.safe_load(path.read_text())
+        tree["model"] = model_section
+        path.write_text(yaml.safe_dump(tree))
+        return load_config(path, ["evaluation.interval=0", "checkpoint.interval=2", *overrides])
+
+    want = first_batch_loss(hf, stdlib_data)
+    for run, source in (("from_pt", init), ("from_hf_dir", hf_dir)):
+        cfg = config(run, "training.max_steps=4", f"checkpoint.init_from={source}")
+        assert loop.train(cfg, TorchBackend("cpu")) == 0
+        assert f"initial weights from {source}" in capsys.readouterr().err
+        first = losses(tmp_path / run / "run")
+        assert abs(first[1] - want) <= 1e-5 * want, (first[1], want)  # step 1 ran on the Llama weights
+
+    # resume: the run's own checkpoint wins over init_from, and the steps come out the same
+    run_dir = tmp_path / "from_pt" / "run"
+    before = losses(run_dir)
+    (run_dir / "ckpt_00000004.pt").unlink()
+    cfg = config("from_pt", "training.max_steps=4", f"checkpoint.init_from={init}")
+    assert loop.train(cfg, TorchBackend("cpu")) == 0
+    err = capsys.readouterr().err
+    assert "resumed from" in err and "ckpt_00000002.pt" in err and "initial weights" not in err
+    assert [m["step"] for m in metrics(run_dir)] == [1, 2, 3, 4]
+    after = losses(run_dir)
+    for step in (3, 4):
+        assert abs(after[step] - before[step]) <= 1e-6 * before[step], step
+
+    # another architecture than the weights': refused, naming the field
+    cfg = config("other", "checkpoint.resume=none", "model.d_model=32", f"checkpoint.init_from={init}")
+    with pytest.raises(CheckpointError, match="model.d_model: 64 -> 32"):
+        loop.train(cfg, TorchBackend("cpu"))
+    # the file holds weights only: resuming from it is refused with a pointer to init_from
+    cfg = config("from_pt", f"checkpoint.resume={init}")
+    with pytest.raises(CheckpointError, match="init_from"):
+        loop.train(cfg, TorchBackend("cpu"))
+
+
+def test_import_tied_llama(tmp_path):
+    from safetensors import safe_open
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from training.hf import load_initial_weights
+
+    torch.manual_seed(1)
+    hf = LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=96, num_hidden_layers=1,
+                                      num_attention_heads=2, max_position_embeddings=32,
+                                      tie_word_embeddings=True, initializer_range=0.2)).eval()
+    hf.save_pretrained(tmp_path / "llama")
+    with safe_open(tmp_path / "llama" / "model.safetensors", "pt") as f:
+        assert "lm_head.weight" not in f.keys()  # transformers writes tied weights once
+    path, init = load_initial_weights(tmp_path / "llama")
+    model = NashMHC(ModelConfig(**init["config"]["model"])).eval()
+    model.load_state_dict(init["model"])
+    assert model.config.tie_embeddings and model.config.n_kv_heads == 2
+    assert torch.equal(model.lm_head.weight, hf.lm_head.weight)
+    x = tokens(2, 32, vocab=300)
+    with torch.no_grad():
+        assert (model(x).logits - hf(x).logits).abs().max() <= 1e-4
+
+
+def test_import_refuses_what_the_baseline_cannot_represent(tmp_path, llama_dir, capsys):
+    hf_dir, _ = llama_dir
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    for key, value, expect in (("mlp_bias", True, "mlp_bias"), ("hidden_act", "gelu", "hidden_act"),
+                               ("rope_parameters", {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4},
+                                "rope_type")):
+        (hf_dir / "config.json").write_text(json.dumps({**cfg, key: value}))
+        assert export("--import", hf_dir, tmp_path / "x.pt") == 2
+        assert expect in one_error_line(capsys.readouterr().err)
+    (hf_dir / "config.json").write_text(json.dumps(cfg))
+    from safetensors.torch import load_file, save_file
+    weights = load_file(hf_dir / "model.safetensors")
+    save_file({k: v for k, v in weights.items() if k != "model.layers.1.mlp.up_proj.weight"},
+              hf_dir / "model.safetensors", metadata={"format": "pt"})
+    assert export("--import", hf_dir, tmp_path / "x.pt") == 2  # transformers would fill it in at random
+    assert "model.layers.1.mlp.up_proj.weight" in one_error_line(capsys.readouterr().err)
+    (hf_dir / "model.safetensors").unlink()
+    assert export("--import", hf_dir, tmp_path / "x.pt") == 2
+    assert "safetensors" in one_error_line(capsys.readouterr().err)
+    assert not (tmp_path / "x.pt").exists()
+
+
+LM_EVAL_DOCS = [
+    ("import os\nimport", [" sys", " json", " re", " hello"], 0),
+    ("def main():\n    return", [" None", " 0", " self", " x"], 1),
+    ("class Foo(object):\n    def", [" __init__", " run", " bar"], 0),
+    ("for i in", [" range(10):", " items:", " x"], 2),
+    ("if __name__ ==", [" '__main__':", " 1:", " None:"], 0),
+    ("    raise", [" ValueError", " KeyError(key)", " e"], 1),
+    ("from collections import", [" OrderedDict", " deque", " namedtuple", " os"], 3),
+    ("        self.", ["assertEqual(", "x = 1", "_lock"], 2),
+    ("except", [" Exception:", " KeyError:", ":"], 0),
+    ("    @", ["property", "staticmethod", "classmethod"], 1),
+]
+
+
+def test_lm_eval_accuracy_matches_our_ranking(tmp_path, nash_export):
+    """lm-eval's Python API on the exported remote-code model, with a local multiple-choice task;
+    its accuracy is the share of documents whose gold choice our own model ranks first."""
+    lm_eval = pytest.importorskip("lm_eval")
+    from lm_eval.tasks import TaskManager
+    from tokenizers import Tokenizer
+
+    ours, out = nash_export
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"context": c, "choices": ch, "gold": g}) + "\n"
+                            for c, ch, g in LM_EVAL_DOCS))
+    (tmp_path / "task.yaml").write_text(yaml.safe_dump({
+        "task": "nash_mhc_local_mc", "dataset_path": "json", "test_split": "test",
+        "dataset_kwargs": {"data_files": {"test": str(docs)}, "cache_dir": str(tmp_path / "cache")},
+        "output_type": "multiple_choice", "doc_to_text": "{{context}}", "doc_to_choice": "{{choices}}",
+        "doc_to_target": "gold", "target_delimiter": "",
+        "metric_list": [{"metric": "acc", "aggregation": "mean", "higher_is_better": True}]}))
+    result = lm_eval.simple_evaluate(
+        model="hf", model_args={"pretrained": str(out), "trust_remote_code": True, "dtype": "float32",
+                                "device": "cpu"},
+        tasks=["nash_mhc_local_mc"], task_manager=TaskManager(include_path=str(tmp_path), include_defaults=False),
+        batch_size=4, log_samples=True, bootstrap_iters=0)
+    acc = result["results"]["nash_mhc_local_mc"]["acc,none"]
+
+    # ours: sum of log p(choice | context), the choice's tokens being those of context + choice
+    # after the context's (lm-eval's split for causal models)
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    correct, ours_ll = 0, {}
+    for i, (context, choices, gold) in enumerate(LM_EVAL_DOCS):
+        ctx = tok.encode(context).ids
+        scores = []
+        for choice in choices:
+            cont = tok.encode(context + choice).ids[len(ctx):]
+            ids = torch.tensor([ctx + cont])
+            with torch.no_grad():
+                logp = F.log_softmax(ours(ids[:, :-1]).logits.float(), dim=-1)[0, len(ctx) - 1:]
+            scores.append(logp.gather(-1, torch.tensor(cont)[:, None]).sum().item())
+        ours_ll[i] = scores
+        top = max(range(len(choices)), key=scores.__getitem__)
+        assert sorted(scores)[-1] - sorted(scores)[-2] > 1e-3  # no near-tie to make the ranking fragile
+        correct += top == gold
+    assert 0 < correct < len(LM_EVAL_DOCS)  # a ranking that is neither all right nor all wrong
+    assert acc == pytest.approx(correct / len(LM_EVAL_DOCS), abs=1e-12)
+    for sample in result["samples"]["nash_mhc_local_mc"]:
+        theirs = [ll for ll, _ in sample["filtered_resps"]]
+        assert theirs == pytest.approx(ours_ll[sample["doc_id"]], abs=1e-4)

@@ -1,0 +1,204 @@
+"""train_xla.py as a TPU job needs it (issue 12), checked on PJRT CPU: a fixed number of training
+graphs whatever the accumulation, the log interval and the mode; one device-to-host transfer per
+log line; the blocks as one scanned loop with the unrolled model's losses; TPU peak FLOP/s by
+device kind; launch checks that refuse with one line before anything compiles."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from helpers import ENV, ROOT, metrics, run, tiny_config
+from training.config import ConfigError, load_config
+from training.data import data_fingerprint
+from training.monitor import peak_flops_for
+
+# LLVM at -O0: graphs compile in seconds; counts and numbers do not depend on it.
+FAST_XLA = {**ENV, "XLA_FLAGS": "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"}
+SPMD = {**FAST_XLA, "CPU_NUM_DEVICES": "4"}
+# A small Nash-MHC (2 streams, 2 scales, a window) and 12 steps, evaluated once at the end.
+SMALL = {"model.d_model": 32, "model.sinkhorn_iters": 3, "data.seq_len": 16, "model.max_seq_len": 32,
+         "model.nash_window": 8, "training.max_steps": 12, "evaluation.interval": 0,
+         "evaluation.steps": 1, "checkpoint.interval": 0}
+
+
+# -- no device needed --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind, peak", [("TPU v4", 275e12), ("TPU v5 lite", 197e12), ("TPU v5", 459e12),
+                                        ("TPU v6 lite", 918e12), ("TPU  v5   lite", 197e12)])
+def test_tpu_device_kinds_give_their_bf16_peak(kind, peak):
+    """The strings xm.xla_device_kind() returns (torch_xla 2.9); "TPU v5 lite" is a v5e, never
+    matched as the v5p ("TPU v5") it begins with."""
+    assert peak_flops_for(kind) == peak
+
+
+def test_unknown_devices_have_no_peak_and_gpus_keep_theirs():
+    assert peak_flops_for("TPU v7x") is None and peak_flops_for("CPU") is None
+    assert peak_flops_for("NVIDIA H100 80GB HBM3") == 989e12
+
+
+@pytest.mark.parametrize("over, key", [
+    (["xla.nprocs=8"], "xla.nprocs=8: torch_xla 2.9's xmp.spawn accepts only null"),
+    (["xla.mesh.data=4", "xla.mesh.dcn_data=3"], "xla.mesh.dcn_data=3 does not divide xla.mesh.data=4"),
+])
+def test_xla_launch_keys_are_checked_with_the_config(tmp_path, over, key):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("training: {max_steps: 1}\n")
+    with pytest.raises(ConfigError, match=key) as e:
+        load_config(cfg, over)
+    assert "\n" not in str(e.value)
+    load_config(cfg, ["xla.nprocs=1", "xla.mesh.data=4", "xla.mesh.dcn_data=2"])  # valid
+
+
+def test_data_fingerprint_follows_the_tokens_not_the_paths(stdlib_data):
+    meta = json.loads((stdlib_data / "meta.json").read_text())
+    moved = {**meta, "command": "prepare_data.py --out /elsewhere", "inputs": [{"path": "/x"}]}
+    assert data_fingerprint(moved) == data_fingerprint(meta)
+    other = json.loads(json.dumps(meta))
+    other["splits"]["train"]["shards"][0]["sha256"] = "0" * 64
+    assert data_fingerprint(other) != data_fingerprint(meta)
+    assert data_fingerprint({**meta, "vocab_size": meta["vocab_size"] + 1}) != data_fingerprint(meta)
+
+
+# -- torch_xla on PJRT CPU -----------------------------------------------------------------------
+
+LAUNCH = r"""
+import json, sys
+import numpy as np
+import torch_xla.runtime as xr
+from training.config import ConfigError, load_config
+from training.xla_backend import XLABackend, launch_verdict, tp_groups_across_hosts
+
+out = {}
+# every process's "<data fingerprint>\n<problem>", in rank order
+out["agree"] = launch_verdict(["abc\n", "abc\n"], "/d")
+out["data"] = launch_verdict(["abc\n", "abc\n", "xyz\n"], "/d")
+out["problem"] = launch_verdict(["abc\n", "abc\nxla.mesh.tp=8: spans hosts"], "/d")
+# a 1 x 4 x 2 mesh over 8 devices, 4 per host: tp pairs within a host, or across when ordinals interleave
+mesh = np.arange(8).reshape(1, 4, 2)
+out["tp_ok"] = tp_groups_across_hosts(mesh, {0, 1, 2, 3})
+out["tp_split"] = tp_groups_across_hosts(mesh, {0, 2, 4, 6})
+errors = {}
+for name, over in {"batch": ["training.batch_size=6", "xla.mesh.data=2", "xla.mesh.fsdp=2"],
+                   "dcn": ["xla.mesh.data=4", "xla.mesh.dcn_data=2"],
+                   "devices": ["xla.mesh.fsdp=3"]}.items():
+    cfg = load_config(sys.argv[1], ["xla.mode=spmd", *over])
+    try:
+        XLABackend(cfg)
+        errors[name] = None
+    except ConfigError as e:
+        errors[name] = str(e)
+out["errors"] = errors
+# log lines run off the loop's thread, in order; an error there reaches the loop at wait_host
+import threading, torch, torch_xla
+backend = XLABackend(load_config(sys.argv[1], ["xla.mode=spmd", "xla.mesh.data=4"]))
+seen = []
+backend.on_host(lambda numbers, tag: seen.append([numbers, tag, threading.current_thread() is
+                                                  threading.main_thread()]), torch.arange(3.0).to(backend.device) * 2, "x")
+backend.on_host(lambda numbers: 1 / 0, torch.ones(1).to(backend.device))
+torch_xla.sync()
+try:
+    backend.wait_host()
+except ZeroDivisionError:
+    out["raised"] = True
+out["seen"] = seen
+print("REPORT " + json.dumps(out))
+"""
+
+
+@pytest.mark.xla
+def test_launch_checks_refuse_in_one_line_before_compiling(tmp_path, stdlib_data):
+    cfg = tiny_config(tmp_path, stdlib_data, **SMALL)
+    r = subprocess.run([sys.executable, "-c", LAUNCH, str(cfg)], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300, env={**SPMD, "PYTHONPATH": str(ROOT)})
+    lines = [s for s in r.stdout.splitlines() if s.startswith("REPORT ")]
+    assert r.returncode == 0 and lines, r.stderr[-3000:]
+    out = json.loads(lines[-1][len("REPORT "):])
+    assert out["agree"] is None
+    assert out["data"].startswith("data.dir: /d/meta.json describes other data on process(es) 2 than on process 0")
+    assert out["problem"] == "xla.mesh.tp=8: spans hosts (found by process 1)"
+    assert out["tp_ok"] == [] and out["tp_split"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    e = out["errors"]
+    assert e["batch"].startswith("training.batch_size=6 is the global batch in xla.mode=spmd and must "
+                                 "divide over xla.mesh data x fsdp = 2 x 2 = 4 devices")
+    assert e["dcn"].startswith("xla.mesh.dcn_data=2: multi-slice meshes need TPU slices")
+    assert e["devices"] == "xla.mesh: data x fsdp x tp = 1 x 3 x 1 = 3, but there are 4 devices"
+    assert all("\n" not in v for v in e.values())
+    assert out["seen"] == [[[0.0, 2.0, 4.0], "x", False]] and out.get("raised")
+    # and from the command line: exit 2, one line, no traceback, nothing compiled
+    r = run(["train_xla.py", str(cfg), "xla.mode=spmd", "xla.mesh.data=4", "training.batch_size=6"], env=SPMD)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("train_xla.py: error: training.batch_size=6 is")
+    assert not (tmp_path / "run" / "xla_metrics.json").exists()
+
+
+def _train(tmp_path, name, stdlib_data, env=FAST_XLA, args=(), **over):
+    d = tmp_path / name
+    d.mkdir()
+    r = run(["train_xla.py", str(tiny_config(d, stdlib_data, **{**SMALL, **over})), *args], env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = metrics(d / "run")
+    health = json.loads((d / "run" / "xla_metrics.json").read_text())
+    return rows, health
+
+
+def _transfers_per_line(rows):
+    """Device-to-host transfers between consecutive log lines, per line (the final step adds
+    the evaluation: left out)."""
+    steady = [r for r in rows if r["step"] < rows[-1]["step"]]
+    return {(b["xla_transfers"] - a["xla_transfers"]) for a, b in zip(steady, steady[1:])}
+
+
+@pytest.mark.xla
+@pytest.mark.slow
+def test_graph_count_is_fixed_and_scan_matches_the_unrolled_blocks(tmp_path, stdlib_data):
+    """ddp (one device): the same compilations for accumulation 1 and 4 and log interval 1 and 10,
+    none after the first step, one transfer per log line; accumulating 4 micro-batches of 1
+    through scanned, checkpointed blocks gives the losses of one batch of 4 through the unrolled
+    blocks (1e-4 relative)."""
+    ref, ref_h = _train(tmp_path, "ref", stdlib_data)
+    acc, acc_h = _train(tmp_path, "acc", stdlib_data, args=["xla.scan_layers=true"],
+                        **{"training.batch_size": 1, "training.gradient_accumulation_steps": 4,
+                           "model.activation_checkpointing": True})
+    sparse, sparse_h = _train(tmp_path, "sparse", stdlib_data, **{"logging.interval": 10})
+    assert ref_h["compilations"] == acc_h["compilations"] == sparse_h["compilations"]
+    for rows in (ref, acc, sparse):
+        assert len({r["xla_compilations"] for r in rows if r["step"] < 12}) == 1  # none after step 1
+        assert all(r["xla_cpu_fallbacks"] == 0 for r in rows)
+    assert _transfers_per_line(ref) == _transfers_per_line(acc) == {1}
+    assert [r["step"] for r in sparse] == [10, 12] and sparse[0]["xla_transfers"] == 1  # 10 steps, 1 transfer
+    a, b = {r["step"]: r["loss"] for r in acc}, {r["step"]: r["loss"] for r in ref}
+    assert sorted(a) == sorted(b) == list(range(1, 13))
+    for s in b:  # (evaluation batches follow training.batch_size: the runs evaluate other samples)
+        assert abs(a[s] - b[s]) <= 1e-4 * abs(b[s]), (s, a[s], b[s])
+
+
+@pytest.mark.xla
+@pytest.mark.slow
+def test_spmd_graph_count_is_fixed(tmp_path, stdlib_data):
+    """A 2 x 2 data x fsdp mesh: accumulation 4 logged every 10 steps compiles what accumulation 1
+    logged every step does; the latter's losses equal the one-device run's."""
+    mesh = ["xla.mode=spmd", "xla.mesh.data=2", "xla.mesh.fsdp=2"]
+    every, every_h = _train(tmp_path, "every", stdlib_data, env=SPMD, args=mesh)
+    acc, acc_h = _train(tmp_path, "acc", stdlib_data, env=SPMD, args=mesh,
+                        **{"training.gradient_accumulation_steps": 4, "logging.interval": 10})
+    assert every_h["compilations"] == acc_h["compilations"]
+    assert _transfers_per_line(every) == {1}
+    assert [r["step"] for r in acc] == [10, 12] and acc[0]["xla_transfers"] == 1
+    assert len({r["xla_compilations"] for r in every if r["step"] < 12}) == 1
+
+
+@pytest.mark.xla
+@pytest.mark.slow
+def test_spmd_scan_matches_the_unrolled_blocks(tmp_path, stdlib_data):
+    """torch_xla's scan shards its backward with JAX in SPMD: where JAX is installed, a scanned
+    run on a 2 x 2 mesh has the one-device unrolled run's losses."""
+    pytest.importorskip("jax")
+    pytest.importorskip("torchax")
+    mesh = ["xla.mode=spmd", "xla.mesh.data=2", "xla.mesh.tp=2", "xla.scan_layers=true"]
+    spmd, _ = _train(tmp_path, "spmd", stdlib_data, env=SPMD, args=mesh)
+    one, _ = _train(tmp_path, "one", stdlib_data)
+    for a, b in zip(spmd, one):
+        assert a["step"] == b["step"] and abs(a["loss"] - b["loss"]) <= 1e-4 * abs(b["loss"])
