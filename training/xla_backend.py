@@ -301,7 +301,7 @@ class XLABackend(Backend):
         # the launch checks, the loop's decisions and checkpoint I/O all go through it.
         self.processes = xr.process_count() if self.spmd else self.world_size
         if self.processes > 1:
-            import torch_xla.distributed.xla_backend  # noqa: F401  (registers xla://)
+            from torch_xla.distributed import xla_backend as _xla_pg  # noqa: F401  (registers xla://)
             init_gloo("xla://")
             self.host = HostGroup(new_gloo_group())
             self.ckpt_group = new_gloo_group()  # the checkpoint writer's thread has its own
