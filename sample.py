@@ -1,7 +1,8 @@
 """Print continuations from a checkpoint of either trainer.
 
-    python sample.py runs/demo                      # newest checkpoint in a run directory
+    python sample.py runs/demo                      # newest committed checkpoint in a run directory
     python sample.py runs/demo/ckpt_00001000.pt --prompt "def " --max-new-tokens 200 --top-k 40
+    python sample.py runs/3b/ckpt_00020000          # a sharded (DCP) checkpoint, read on the CPU
 
 The tokenizer is found through the data directory recorded in the checkpoint's config
 (``--tokenizer`` overrides it).
@@ -15,18 +16,13 @@ from pathlib import Path
 import torch
 
 from model import NashMHC
-from training.checkpoint import CheckpointError, find_resume, load_checkpoint
+from training.checkpoint import CheckpointError, resolve_checkpoint
 from training.config import ConfigError, config_from_dict
 
 
 def load_model(path: Path, device: str) -> tuple[NashMHC, dict]:
-    if path.is_dir():
-        found = find_resume(path, warn=lambda m: print(m, file=sys.stderr))
-        if found is None:
-            raise CheckpointError(f"{path}: no checkpoint (ckpt_*.pt) in this directory")
-        path, ckpt = found
-    else:
-        ckpt = load_checkpoint(path)
+    path, ckpt = resolve_checkpoint(path, warn=lambda m: print(m, file=sys.stderr),
+                                    with_optimizer=False)
     cfg = config_from_dict(ckpt["config"])
     model = NashMHC(cfg.model)
     model.load_state_dict(ckpt["model"])
@@ -38,7 +34,8 @@ def load_model(path: Path, device: str) -> tuple[NashMHC, dict]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("checkpoint", type=Path, help="a ckpt_*.pt file or a run directory")
+    ap.add_argument("checkpoint", type=Path,
+                    help="a ckpt_*.pt file, a ckpt_* (DCP) directory, or a run directory")
     ap.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
     ap.add_argument("--max-new-tokens", type=int, default=200)
     ap.add_argument("--temperature", type=float, default=0.8)

@@ -1,7 +1,8 @@
-"""Train a Nash-MHC transformer on one CUDA/MPS/CPU device, or with DDP under torchrun.
+"""Train a Nash-MHC transformer on one CUDA/MPS/CPU device, or with DDP or FSDP2 under torchrun.
 
     python train.py configs/demo.yaml [section.key=value ...]
-    torchrun --nproc_per_node=8 train.py configs/small_gpu.yaml
+    torchrun --nproc_per_node=8 train.py configs/small_gpu.yaml                     # DDP
+    torchrun --nproc_per_node=8 train.py configs/nash_mhc_3b.yaml training.fsdp=true  # FSDP2
 
 The XLA twin is train_xla.py: the same config, data, loop and checkpoints (see training/).
 """
@@ -13,7 +14,7 @@ from training.loop import main, train
 
 def run(cfg) -> int:
     try:
-        backend = TorchBackend(cfg.training.device)
+        backend = TorchBackend(cfg.training.device, fsdp=cfg.training.fsdp)
     except ValueError as e:
         print(f"train.py: error: {e}", file=sys.stderr)
         return 2

@@ -1,6 +1,6 @@
 """train.py end to end on CPU: exact resume after SIGTERM, DDP global-batch equivalence, NaN
 handling, metrics and checkpoints. Tiny fp32 models on the stdlib test corpus."""
-import shutil
+import os
 import signal
 import subprocess
 import sys
@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from helpers import ENV, ROOT, losses, metrics, run, tiny_config, wait_for_step
+from training.checkpoint import list_checkpoints
 
 
 def test_trains_logs_and_checkpoints(tmp_path, stdlib_data):
@@ -66,25 +67,106 @@ def test_exact_resume_after_sigterm(tmp_path, stdlib_data):
         assert abs(ref[step] - cut[step]) <= 1e-6, (step, ref[step], cut[step])
 
 
-@pytest.mark.skipif(shutil.which("torchrun") is None and not (Path(sys.executable).parent / "torchrun").exists(),
-                    reason="torchrun not installed")
-def test_ddp_two_processes_match_one_process_with_twice_the_batch(tmp_path, stdlib_data):
-    one, two = tmp_path / "one", tmp_path / "two"
-    one.mkdir(), two.mkdir()
-    cfg1 = tiny_config(one, stdlib_data, **{"checkpoint.interval": 0})
-    cfg2 = tiny_config(two, stdlib_data, **{"checkpoint.interval": 0})
-    r = run(["train.py", str(cfg1), "training.batch_size=4"])
+TORCHRUN = str(Path(sys.executable).parent / "torchrun")
+needs_torchrun = pytest.mark.skipif(not Path(TORCHRUN).exists(), reason="torchrun not installed")
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, stdlib_data) -> dict[int, float]:
+    """Losses of 20 steps of train.py in one process with the global batch (4): what DDP and
+    FSDP2 runs of 2 processes x batch 2 must reproduce."""
+    d = tmp_path_factory.mktemp("one")
+    r = run(["train.py", str(tiny_config(d, stdlib_data, **{"checkpoint.interval": 0}))])
     assert r.returncode == 0, r.stderr[-3000:]
-    torchrun = str(Path(sys.executable).parent / "torchrun")
-    r = subprocess.run([torchrun, "--standalone", "--nproc_per_node=2", "train.py", str(cfg2),
-                        "training.batch_size=2"], cwd=ROOT, env=ENV, capture_output=True, text=True,
-                       timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    a, b = losses(one / "run"), losses(two / "run")
-    assert sorted(a) == sorted(b) == list(range(1, 21))
-    for step in a:
-        assert abs(a[step] - b[step]) <= 1e-4 * abs(a[step]), (step, a[step], b[step])
-    assert "2 replica(s)" in r.stderr
+    return losses(d / "run")
+
+
+def torchrun(cfg, *overrides, **kw):
+    return subprocess.Popen([TORCHRUN, "--standalone", "--nproc_per_node=2", "train.py", str(cfg),
+                             "training.batch_size=2", *overrides], cwd=ROOT, env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+@needs_torchrun
+def test_ddp_two_processes_match_one_process_with_twice_the_batch(tmp_path, stdlib_data, one_process):
+    cfg = tiny_config(tmp_path, stdlib_data, **{"checkpoint.interval": 0})
+    proc = torchrun(cfg)
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0 and "2 replica(s)" in err, err[-3000:]
+    b = losses(tmp_path / "run")
+    assert sorted(one_process) == sorted(b) == list(range(1, 21))
+    for step in b:
+        assert abs(one_process[step] - b[step]) <= 1e-4 * abs(one_process[step]), step
+
+
+@needs_torchrun
+@pytest.mark.slow
+def test_fsdp2_two_processes_match_one_process_with_twice_the_batch(tmp_path, stdlib_data, one_process):
+    """FSDP2 (parameters, gradients, AdamW state sharded over 2 processes) trains like one
+    process with the global batch; its checkpoints are committed DCP directories."""
+    cfg = tiny_config(tmp_path, stdlib_data, **{"training.fsdp": True, "checkpoint.interval": 10,
+                                                "checkpoint.keep": 5})
+    proc = torchrun(cfg)
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    assert "FSDP2 over 2 processes" in err
+    b = losses(tmp_path / "run")
+    assert sorted(b) == list(range(1, 21))
+    for step in b:  # fp32: only the order of the gradient sums differs
+        assert abs(one_process[step] - b[step]) <= 1e-5 * abs(one_process[step]), step
+    run_dir = tmp_path / "run"
+    for name in ("ckpt_00000010", "ckpt_00000020"):
+        files = sorted(p.name for p in (run_dir / name).iterdir())
+        assert files == [".metadata", "__0_0.distcp", "__1_0.distcp", "checkpoint.json"], files
+
+
+def _worker_pid(torchrun_pid: int, rank: int) -> int:
+    """The pid of a torchrun worker, found by the RANK in its environment."""
+    for child in Path(f"/proc/{torchrun_pid}/task/{torchrun_pid}/children").read_text().split():
+        env = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+        if f"RANK={rank}".encode() in env:
+            return int(child)
+    raise AssertionError(f"no worker with RANK={rank}")
+
+
+@needs_torchrun
+@pytest.mark.slow
+def test_fsdp2_sigterm_to_one_rank_stops_all_then_resumes_on_one_process_and_on_xla(
+        tmp_path, stdlib_data, one_process):
+    """SIGTERM reaching rank 1 only: both ranks stop at the same step (one host-side decision)
+    and save one committed checkpoint, asynchronously written. It resumes exactly on 1 process
+    (2 -> 1 reshard), whose single-file checkpoint resumes exactly in train_xla.py."""
+    pytest.importorskip("torch_xla")
+    cfg = tiny_config(tmp_path, stdlib_data, **{"training.fsdp": True, "checkpoint.interval": 3,
+                                                "checkpoint.async": True, "evaluation.interval": 0})
+    run_dir = tmp_path / "run"
+    proc = torchrun(cfg)
+    wait_for_step(run_dir, proc, 6)
+    os.kill(_worker_pid(proc.pid, 1), signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    stopped = max(losses(run_dir))
+    assert 6 <= stopped < 16, f"SIGTERM did not stop the run early (stopped at {stopped})"
+    # rank 1 got the signal, rank 0 (the master, which logs) learnt it from the decision
+    assert "SIGTERM received" in err and f"stopped at step {stopped} after a stop signal on another" in err
+    ckpts = [s for s, _ in list_checkpoints(run_dir)]
+    assert ckpts[-1] == stopped and (run_dir / f"ckpt_{stopped:08d}" / "checkpoint.json").exists()
+    # one process, the global batch, a single-file checkpoint every step
+    r = run(["train.py", str(cfg), "training.fsdp=false", "training.batch_size=4",
+             "checkpoint.interval=1", "checkpoint.keep=30", "checkpoint.async=false"])
+    assert r.returncode == 0 and f"resumed from {run_dir / f'ckpt_{stopped:08d}'}" in r.stderr, r.stderr[-3000:]
+    then = stopped + 2
+    # ... and train_xla.py from its step stopped+2
+    xla_dir = tmp_path / "xla"
+    r = run(["train_xla.py", str(cfg), "training.fsdp=false", "training.batch_size=4",
+             f"checkpoint.dir={xla_dir}", f"checkpoint.resume={run_dir / f'ckpt_{then:08d}.pt'}"])
+    assert r.returncode == 0 and "resumed from" in r.stderr, r.stderr[-3000:]
+    got, xla = losses(run_dir), losses(xla_dir)
+    assert sorted(got) == list(range(1, 21)) and sorted(xla) == list(range(then + 1, 21))
+    for step in range(1, 21):
+        assert abs(got[step] - one_process[step]) <= 1e-5 * one_process[step], step
+    for step in xla:  # the XLA CPU kernels differ from ATen's at the last bits
+        assert abs(xla[step] - one_process[step]) <= 1e-5 * one_process[step], step
 
 
 def test_nonfinite_steps_are_skipped_then_the_run_stops(tmp_path, stdlib_data, monkeypatch):

@@ -121,3 +121,30 @@ def test_checkpoints_move_between_trainers(tmp_path, stdlib_data, first, second)
     r = run([second, str(tiny_config(b, stdlib_data, **over))])
     assert r.returncode == 0 and "resumed from" in r.stderr, r.stderr[-3000:]
     close(losses(b / "run"), losses(a / "run"), 1e-3, steps=list(range(11, 21)))
+
+
+@pytest.mark.slow
+def test_spmd_checkpoint_reshards_exactly(tmp_path, stdlib_data):
+    """An SPMD run on mesh (2, 2, 1) saves DCP directories (each process its shards, a commit
+    marker); step 5's resumes on mesh (1, 4, 1) and on one device (consolidated on load) and
+    both continue the same losses."""
+    over = {"training.batch_size": 8, "training.max_steps": 10, "evaluation.interval": 0,
+            "checkpoint.interval": 5, "checkpoint.keep": 5}
+    env4 = {**ENV, "CPU_NUM_DEVICES": "4"}
+    a = tmp_path / "a"
+    a.mkdir()
+    r = run(["train_xla.py", str(tiny_config(a, stdlib_data, **over)), "xla.mode=spmd",
+             "xla.mesh.data=2", "xla.mesh.fsdp=2"], env=env4)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ckpt = a / "run" / "ckpt_00000005"
+    assert (ckpt / "checkpoint.json").is_file() and (ckpt / ".metadata").is_file()
+    ref = losses(a / "run")
+    for name, args, env in (("fsdp4", ["xla.mode=spmd", "xla.mesh.fsdp=4"], env4), ("one", [], ENV)):
+        d = tmp_path / name
+        d.mkdir()
+        r = run(["train_xla.py", str(tiny_config(d, stdlib_data, **over)), *args,
+                 f"checkpoint.resume={ckpt}"], env=env)
+        assert r.returncode == 0 and f"resumed from {ckpt}" in r.stderr, r.stderr[-3000:]
+        got = losses(d / "run")
+        assert sorted(got) == list(range(6, 11)), sorted(got)
+        close(got, ref, 1e-5, steps=list(range(6, 11)))  # fp32; only reduction orders differ

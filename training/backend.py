@@ -1,10 +1,21 @@
 """The device-specific part of training, as a small interface.
 
 The shared loop (``training.loop``) asks a backend where tensors live, how gradients are reduced,
-when the device synchronises, how values reach the host and how checkpoints are written. This file
-holds the interface and the PyTorch backend of ``train.py`` (one CUDA/MPS/CPU device, or DDP under
-``torchrun``). The XLA backend lives in ``training/xla_backend.py``, the only place that imports
-``torch_xla``.
+when the device synchronises, how values reach the host, how processes agree, and how checkpoint
+state is gathered, copied to the host and loaded. This file holds the interface and the PyTorch
+backend of ``train.py`` (one CUDA/MPS/CPU device, DDP under ``torchrun``, or FSDP2 with
+``training.fsdp``). The XLA backend lives in ``training/xla_backend.py``, the only place that
+imports ``torch_xla``.
+
+Agreement across processes (``any_process``, ``all_equal``, ``barrier``) goes through
+``self.host``, a ``training.distributed.HostGroup`` on a gloo group: host-side, no device sync.
+
+Checkpoints (``training.checkpoint.Checkpointer`` drives them): ``checkpoint_format`` says which
+form this backend writes ("file": one ``ckpt_*.pt`` by the master; "dcp": a DCP directory, every
+process writing its shards over ``self.ckpt_group``). ``checkpoint_state`` gives the live state by
+parameter name (``torch.distributed.checkpoint.state_dict.get_state_dict``), ``stage`` copies it
+to the host, ``load_full_state`` loads a whole CPU state, ``load_sharded_state`` reads a DCP
+directory into the live (sharded) state.
 """
 from __future__ import annotations
 
@@ -19,7 +30,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .checkpoint import atomic_torch_save
+from .checkpoint import keep_hyperparameters, optimizer_state_by_name
+from .distributed import HostGroup, new_gloo_group
 from .monitor import peak_flops_for
 
 
@@ -84,6 +96,15 @@ class Backend:
         """Mean of a tensor over replicas (logging only)."""
         return t
 
+    def grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """The global L2 norm of the (reduced) gradients, as a plain tensor."""
+        return self.whole(torch.nn.utils.get_total_norm(grads))
+
+    def whole(self, t: torch.Tensor) -> torch.Tensor:
+        """A value as one plain tensor: a DTensor (FSDP2: a norm, a statistic of sharded
+        parameters) becomes its full value; anything else stays as it is."""
+        return _full(t)
+
     def on_host(self, fn: Callable[..., None], values: torch.Tensor, *args) -> None:
         """Call ``fn(numbers, *args)`` with the vector ``values`` as a list of Python floats (one
         device-to-host transfer), once it is computed."""
@@ -92,32 +113,85 @@ class Backend:
     def wait_host(self) -> None:
         """Return once every ``on_host`` call has run (XLA runs them in the background)."""
 
-    def any_process(self, flag: bool) -> bool:
-        """True on every process if ``flag`` is true on any (host-side agreement)."""
-        return flag
+    # -- agreement across processes (host-side: a gloo all-reduce, never a device sync) -------
+    host: HostGroup = HostGroup()   # one process unless a subclass makes a group
+    ckpt_group = None               # the gloo group of checkpoint I/O (None: one process)
+
+    def any_process(self, *flags: bool):
+        """For each flag: true on every process if it is true on any. One host-side all-reduce
+        for all the flags together (every process must call it at the same point); one flag
+        gives a bool, several a tuple. Used for every decision that must be the same everywhere:
+        stop after a SIGTERM that reached one process, stop after non-finite steps."""
+        out = self.host.any(flags)
+        return out[0] if len(flags) == 1 else out
+
+    def all_equal(self, text: str) -> bool:
+        """Is ``text`` (a hash of meta.json, a checkpoint name, ...) the same on every process?
+        One host-side all-reduce; every process gets the same answer."""
+        return self.host.all_equal(text)
 
     def barrier(self) -> None:
-        pass
+        self.host.barrier()
 
     # -- checkpoints -------------------------------------------------------------------------
+    checkpoint_format = "file"      # or "dcp" (see training.checkpoint)
+
     def unwrap(self, model: nn.Module) -> nn.Module:
         model = getattr(model, "module", model)        # DDP
         return getattr(model, "_orig_mod", model)      # torch.compile
 
-    def model_state(self, model: nn.Module) -> dict:
-        return {k: v.detach().to("cpu", copy=True) for k, v in self.unwrap(model).state_dict().items()}
+    def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+        """The live state, keyed by parameter name: ``{"model": {...}, "optimizer": {"state":
+        {name: {...}}, "param_groups": [...]}}`` (``get_state_dict``: sharded DTensors under FSDP2,
+        device tensors on XLA; no copies)."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+        msd, osd = get_state_dict(self.unwrap(model), optimizer)
+        return {"model": msd, "optimizer": osd}
 
-    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
-        return _to_cpu(optimizer.state_dict())
+    def stage(self, state: dict, sharded: bool) -> dict | None:
+        """A host copy of ``checkpoint_state`` that training may run on from (the device-to-host
+        copy happens here, at the step). Single-file form: the whole state, on the master only
+        (``None`` elsewhere). DCP form: each process's own shards."""
+        if sharded:
+            from torch.distributed.checkpoint.staging import BlockingAsyncStager
+            if getattr(self, "_stager", None) is None:  # pinned, reused buffers on CUDA
+                self._stager = BlockingAsyncStager(cache_staged_state_dict=self.device.type == "cuda")
+            return self._stager.stage(state)
+        return _to_cpu(state) if self.is_master else None
 
-    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
-        load_optimizer_state(optimizer, state)
+    def dcp_save_planner(self):
+        return None  # DCP's default planner
 
-    def save(self, obj: dict, path: Path) -> None:
-        """Atomically write a checkpoint (the master writes; every process calls this)."""
-        if self.is_master:
-            atomic_torch_save(obj, path)
-        self.barrier()
+    def dcp_load_planner(self):
+        return None
+
+    def load_full_state(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                        model_state: dict, optim_state: dict) -> None:
+        """Load a whole CPU state (a file, or a DCP directory consolidated) into the live model
+        and optimiser; this run's hyperparameters are kept."""
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+        raw = self.unwrap(model)
+        raw.load_state_dict(model_state)
+        with keep_hyperparameters(optimizer):
+            set_optimizer_state_dict(raw, optimizer, optimizer_state_by_name(raw, optimizer, optim_state))
+
+    def load_sharded_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, path: Path,
+                           param_groups: list, reader) -> None:
+        """Read a DCP directory into the live state, each process its own part (any mesh or
+        world size: DCP reshards), then hand it to the model and optimiser."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+        state = self.checkpoint_state(model, optimizer)
+        target = {"model": state["model"], "optimizer": {"state": state["optimizer"]["state"]}}
+        with warnings.catch_warnings():  # one process: "loading in a single process" is the point
+            if self.ckpt_group is None:
+                warnings.simplefilter("ignore", UserWarning)
+            dcp.load(target, storage_reader=reader, planner=self.dcp_load_planner(),
+                     process_group=self.ckpt_group, no_dist=self.ckpt_group is None)
+        with keep_hyperparameters(optimizer):
+            set_state_dict(self.unwrap(model), optimizer, model_state_dict=target["model"],
+                           optim_state_dict={"state": target["optimizer"]["state"],
+                                             "param_groups": param_groups})
 
     # -- reporting ---------------------------------------------------------------------------
     @property
@@ -142,25 +216,17 @@ class Backend:
         pass
 
 
-def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
-    """Load moments and step counters, keeping this run's hyperparameters and implementation flags.
-
-    ``load_state_dict`` would also restore the saved groups' settings: the learning rate and weight
-    decay of the old config, and ``fused``/``foreach`` flags of the other trainer's optimiser (a
-    checkpoint from train_xla.py would turn off train.py's fused kernel, and the reverse breaks).
-    """
-    fresh = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-    optimizer.load_state_dict(state)
-    for group, mine in zip(optimizer.param_groups, fresh):
-        group.update(mine)
-
-
 def _cpu_flags() -> str:
     try:
         with open("/proc/cpuinfo") as f:
             return next((line for line in f if line.startswith("flags")), "")
     except OSError:
         return ""
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor (FSDP2 metrics and norms) as the whole tensor; anything else as it is."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def _to_cpu(obj):
@@ -174,11 +240,13 @@ def _to_cpu(obj):
 
 
 class TorchBackend(Backend):
-    """One CUDA/MPS/CPU device, or one process of a ``torchrun`` DDP job (nccl on GPU, gloo on CPU)."""
+    """One CUDA/MPS/CPU device, or one process of a ``torchrun`` job (nccl on GPU, gloo on CPU):
+    DDP, or FSDP2 with ``fsdp=True`` (``fully_shard`` per block and at the root: parameters,
+    gradients and optimizer state sharded over the processes; DCP checkpoints)."""
 
     name = "torch"
 
-    def __init__(self, device: str = "auto"):
+    def __init__(self, device: str = "auto", fsdp: bool = False):
         self.distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ
         if self.distributed:
             self.rank = int(os.environ["RANK"])
@@ -192,8 +260,17 @@ class TorchBackend(Backend):
             backend = "nccl" if self.device.type == "cuda" else "gloo"
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
-            dist.init_process_group(backend=backend, rank=self.rank, world_size=self.world_size,
-                                    device_id=self.device if self.device.type == "cuda" else None)
+            if not dist.is_initialized():  # a caller (a test, a notebook) may have made it
+                dist.init_process_group(backend=backend, rank=self.rank, world_size=self.world_size,
+                                        device_id=self.device if self.device.type == "cuda" else None)
+            # Host-side groups: decisions in the loop's thread, checkpoint I/O in the writer's.
+            self.host = HostGroup(new_gloo_group())
+            self.ckpt_group = new_gloo_group()
+        self.fsdp = fsdp and self.distributed and self.world_size > 1
+        if fsdp and not self.fsdp:
+            print("warning: training.fsdp shards over torchrun processes; with one process the "
+                  "model is trained unsharded", file=sys.stderr)
+        self.checkpoint_format = "dcp" if self.fsdp else "file"
         if self.device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
@@ -237,12 +314,20 @@ class TorchBackend(Backend):
 
     def prepare_model(self, model: nn.Module, cfg) -> nn.Module:
         model = model.to(self.device)
+        if self.fsdp:
+            # FSDP2: one all-gather/reduce-scatter unit per block; the root holds the embedding,
+            # the (tied) LM head, the final norm and the stream collapse. Same seed everywhere:
+            # each rank keeps its shard of the identical initial weights.
+            from torch.distributed.fsdp import fully_shard
+            for block in model.blocks:
+                fully_shard(block)
+            fully_shard(model)
         if cfg.training.compile:
             if self.device.type == "cuda":
                 model = torch.compile(model)
             else:
                 print("warning: training.compile is used on CUDA only; running eagerly", file=sys.stderr)
-        if self.distributed:
+        if self.distributed and not self.fsdp:
             from torch.nn.parallel import DistributedDataParallel as DDP
             ids = [self.device.index] if self.device.type == "cuda" else None
             model = DDP(model, device_ids=ids)
@@ -263,9 +348,20 @@ class TorchBackend(Backend):
             yield x.to(self.device, non_blocking=pin), y.to(self.device, non_blocking=pin)
 
     def no_sync(self, model: nn.Module, last_micro_step: bool):
-        if self.distributed and not last_micro_step:
+        # FSDP2 reduce-scatters every micro-step: the accumulated gradient stays sharded.
+        if self.distributed and not self.fsdp and not last_micro_step:
             return model.no_sync()
         return contextlib.nullcontext()
+
+    def load_full_state(self, model, optimizer, model_state, optim_state) -> None:
+        if not self.fsdp:
+            return super().load_full_state(model, optimizer, model_state, optim_state)
+        # Every rank holds the whole CPU state; each keeps its shards of it.
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+        with keep_hyperparameters(optimizer):
+            set_state_dict(model, optimizer, model_state_dict=model_state,
+                           optim_state_dict=optimizer_state_by_name(model, optimizer, optim_state),
+                           options=StateDictOptions(full_state_dict=True))
 
     def mean_across(self, t: torch.Tensor) -> torch.Tensor:
         if not self.distributed:
@@ -274,21 +370,9 @@ class TorchBackend(Backend):
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
         return t / self.world_size
 
-    def any_process(self, flag: bool) -> bool:
-        if not self.distributed:
-            return flag
-        t = torch.tensor([1.0 if flag else 0.0], device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item() > 0)
-
-    def barrier(self) -> None:
-        if self.distributed:
-            dist.barrier()
-
     def device_name(self) -> str:
-        if self.device.type == "cuda":
-            return torch.cuda.get_device_name(self.device)
-        return self.device.type
+        name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else self.device.type
+        return f"{name} (FSDP2 over {self.world_size} processes)" if self.fsdp else name
 
     def peak_flops(self) -> float | None:
         if self.device.type == "cuda":

@@ -1,44 +1,102 @@
-"""Checkpoints: one format for both trainers, atomic writes, rotation, safe loading.
+"""Checkpoints: two forms, one loader, commit markers, rotation, asynchronous saves, safe loading.
 
-A checkpoint is a plain dict of tensors and Python scalars (``weights_only=True`` loads it):
-``model`` and ``optimizer`` state dicts (on CPU, unwrapped, SPMD-consolidated), ``step``,
-``tokens_seen``, ``data`` (epoch, global offset), ``rng``, ``nonfinite`` counters, the resolved
-``config`` and ``format_version``. Files are ``ckpt_00000100.pt``; each is written to a hidden
-temporary name in the same directory, fsynced, then renamed, so a file with the final name is
-always complete.
+Layout of ``checkpoint.dir`` (the run directory)::
+
+    ckpt_00001000.pt          one file: a single-process run (train.py on one device or DDP,
+                              train_xla.py in ddp mode); written by the master process
+    ckpt_00002000/            a torch.distributed.checkpoint (DCP) directory: train.py with
+        .metadata             training.fsdp under torchrun, train_xla.py in SPMD mode
+        __0_0.distcp          one file per writing process: its own shards, replicated tensors once
+        __1_0.distcp
+        checkpoint.json       the commit marker, written last by the global master
+
+The single file is a dict that ``torch.load(weights_only=True)`` reads: ``model`` (state dict by
+parameter name), ``optimizer`` (``{"state": {name: {...}}, "param_groups": [...]}``, keyed by
+parameter *name*, the layout of ``torch.distributed.checkpoint.state_dict``), ``step``,
+``tokens_seen``, ``data`` (epoch, global sample offset), ``rng``, ``nonfinite``, the resolved
+``config``, ``trainer`` and ``format_version``. It is written under a hidden temporary name,
+fsynced and renamed, so a file with a final name is complete.
+
+A DCP directory holds the same tensors (``model``, ``optimizer.state``) as shards, and everything
+else in ``checkpoint.json``. A directory counts only once ``checkpoint.json`` exists: the master
+writes it (atomically) after DCP's own ``.metadata``, which DCP writes after gathering every
+writer's result. Anything without a marker is a save that did not finish: ``resume: auto`` skips
+it and the master deletes it at start. Rotation deletes only committed checkpoints older than the
+one just committed, only on the master, marker first.
+
+``load_checkpoint(path)`` returns the same dict for either form: a DCP directory is consolidated
+on the CPU in one process (no process group, no torch_xla). Nothing is unpickled except through
+``weights_only=True`` or, for DCP's pickled ``.metadata``, a restricted unpickler that admits only
+DCP's own metadata classes (``read_dcp_metadata``); the marker is JSON.
+
+``python -m training.checkpoint consolidate CKPT_DIR OUT.pt`` writes a DCP directory as one file.
 """
 from __future__ import annotations
 
+import argparse
+import io
+import json
 import os
+import pickle
 import random
 import re
+import shutil
 import sys
-from pathlib import Path
-from typing import Callable
+import threading
+import time
+import warnings
+from pathlib import Path, PurePosixPath, PureWindowsPath, PosixPath, WindowsPath
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
-FORMAT_VERSION = 1
-_NAME = re.compile(r"^ckpt_(\d{8,})\.pt$")
+FORMAT_VERSION = 2  # 2: optimizer state keyed by parameter name; DCP directories
+MARKER = "checkpoint.json"
+_FILE = re.compile(r"^ckpt_(\d{8,})\.pt$")
+_DIR = re.compile(r"^ckpt_(\d{8,})$")
+_TMP = re.compile(r"^\.ckpt_(\d{8,})\.pt\.tmp-")
+_SHARD_FILE = re.compile(r"^__\d+_\d+\.distcp$")
 
 
-def checkpoint_path(run_dir: str | Path, step: int) -> Path:
-    return Path(run_dir) / f"ckpt_{step:08d}.pt"
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used; the message is one line naming the path."""
+
+
+# -- names --------------------------------------------------------------------------------------
+
+def checkpoint_path(run_dir: str | Path, step: int, sharded: bool = False) -> Path:
+    """``ckpt_00001000.pt`` (one file) or ``ckpt_00001000`` (a DCP directory)."""
+    name = f"ckpt_{step:08d}"
+    return Path(run_dir) / (name if sharded else name + ".pt")
+
+
+def is_dcp_dir(path: str | Path) -> bool:
+    p = Path(path)
+    return p.is_dir() and ((p / MARKER).exists() or (p / ".metadata").exists())
+
+
+def _entries(run_dir: Path) -> list[tuple[int, Path, bool]]:
+    """(step, path, committed) of every checkpoint-like entry."""
+    if not run_dir.is_dir():
+        return []
+    out = []
+    for p in run_dir.iterdir():
+        if (m := _FILE.match(p.name)) and p.is_file():
+            out.append((int(m.group(1)), p, True))
+        elif (m := _DIR.match(p.name)) and p.is_dir():
+            out.append((int(m.group(1)), p, (p / MARKER).is_file()))
+        elif (m := _TMP.match(p.name)) and p.is_file():
+            out.append((int(m.group(1)), p, False))
+    return sorted(out, key=lambda e: (e[0], e[1].name))
 
 
 def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
-    """Complete-looking checkpoints (final names only), oldest first."""
-    d = Path(run_dir)
-    if not d.is_dir():
-        return []
-    found = []
-    for p in d.iterdir():
-        m = _NAME.match(p.name)
-        if m and p.is_file():
-            found.append((int(m.group(1)), p))
-    return sorted(found)
+    """Committed checkpoints (files with final names, DCP directories with a marker), oldest first."""
+    return [(s, p) for s, p, ok in _entries(Path(run_dir)) if ok]
 
+
+# -- atomic writes --------------------------------------------------------------------------------
 
 def fsync_dir(d: Path) -> None:
     try:
@@ -53,17 +111,11 @@ def fsync_dir(d: Path) -> None:
         os.close(fd)
 
 
-def atomic_torch_save(obj, path: str | Path, save_fn: Callable | None = None) -> None:
-    """Write ``obj`` to a temporary file next to ``path``, fsync, rename.
-
-    ``save_fn(obj, tmp_path)`` defaults to ``torch.save``; the XLA backend passes its own (which
-    moves device tensors to the host first).
-    """
-    path = Path(path)
+def _atomic_write(path: Path, write: Callable[[Path], None]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}"
     try:
-        (save_fn or torch.save)(obj, tmp)
+        write(tmp)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -73,100 +125,493 @@ def atomic_torch_save(obj, path: str | Path, save_fn: Callable | None = None) ->
     fsync_dir(path.parent)
 
 
-def rotate(run_dir: str | Path, keep: int) -> list[Path]:
-    """Delete all but the newest ``keep`` checkpoints; return what was deleted."""
-    ckpts = list_checkpoints(run_dir)
-    doomed = [p for _, p in ckpts[:-keep]] if keep > 0 else []
-    for p in doomed:
-        p.unlink(missing_ok=True)
-    # temporary files left by a killed writer are never complete: clean them too
-    for p in Path(run_dir).glob(".ckpt_*.pt.tmp-*"):
-        pid = p.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
-            p.unlink(missing_ok=True)
-    return doomed
+def atomic_torch_save(obj, path: str | Path, save_fn: Callable | None = None) -> None:
+    """Write ``obj`` with ``torch.save`` (or ``save_fn(obj, tmp)``) to a temporary file next to
+    ``path``, fsync, rename."""
+    _atomic_write(Path(path), lambda tmp: (save_fn or torch.save)(obj, tmp))
 
 
-def _pid_alive(pid: int) -> bool:
+def atomic_write_json(obj: dict, path: str | Path) -> None:
+    _atomic_write(Path(path), lambda tmp: tmp.write_text(json.dumps(obj, indent=1) + "\n"))
+
+
+# -- DCP metadata, unpickled safely ---------------------------------------------------------------
+
+def _allowed_globals() -> dict[tuple[str, str], Any]:
+    import torch.distributed.checkpoint.filesystem as fs
+    import torch.distributed.checkpoint.metadata as md
+    allowed = {("torch.distributed.checkpoint.metadata", n): getattr(md, n) for n in (
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+        "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")}
+    allowed[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = fs._StorageInfo
+    allowed[("torch", "Size")] = torch.Size
+    allowed[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
+    for name, value in vars(torch).items():  # dtypes are pickled as globals: torch.float32, ...
+        if isinstance(value, torch.dtype):
+            allowed[("torch", name)] = value
+    for cls in (PosixPath, WindowsPath, PurePosixPath, PureWindowsPath):  # StorageMeta.checkpoint_id
+        allowed[("pathlib", cls.__name__)] = cls
+    return allowed
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Admits only DCP's metadata classes, torch.Size, dtypes and layouts, and paths."""
+
+    _allowed: dict | None = None
+
+    def find_class(self, module: str, name: str):
+        if _MetadataUnpickler._allowed is None:
+            _MetadataUnpickler._allowed = _allowed_globals()
+        try:
+            return _MetadataUnpickler._allowed[(module, name)]
+        except KeyError:
+            raise pickle.UnpicklingError(f"refused to load {module}.{name}") from None
+
+
+def read_dcp_metadata(ckpt_dir: str | Path):
+    """DCP's ``.metadata`` of ``ckpt_dir``, unpickled by ``_MetadataUnpickler`` and checked: tensor
+    entries only (DCP loads byte entries with ``torch.load(weights_only=False)``; we never write
+    them), storage in this directory's ``__R_0.distcp`` files and within their sizes."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+
+    d = Path(ckpt_dir)
+    path = d / ".metadata"
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        with open(path, "rb") as f:
+            meta = _MetadataUnpickler(f).load()
+    except FileNotFoundError:
+        raise CheckpointError(f"{d}: no .metadata (not a finished DCP checkpoint)") from None
+    except Exception as e:  # refused global, truncated file, garbage
+        raise CheckpointError(f"{path}: unreadable DCP metadata ({_first_line(e)})") from None
+    if not isinstance(meta, Metadata) or not isinstance(meta.state_dict_metadata, dict) \
+            or not isinstance(meta.storage_data, dict):
+        raise CheckpointError(f"{path}: not DCP metadata")
+    for key, item in meta.state_dict_metadata.items():
+        if not isinstance(key, str) or not isinstance(item, TensorStorageMetadata):
+            raise CheckpointError(f"{path}: entry {str(key)[:80]!r} is not a tensor (refused)")
+    sizes: dict[str, int] = {}
+    for index, info in meta.storage_data.items():
+        if not isinstance(index, MetadataIndex) or not isinstance(info, _StorageInfo) \
+                or not isinstance(info.relative_path, str) or not _SHARD_FILE.match(info.relative_path):
+            raise CheckpointError(f"{path}: bad storage entry {str(index)[:120]}")
+        if info.relative_path not in sizes:
+            shard = d / info.relative_path
+            sizes[info.relative_path] = shard.stat().st_size if shard.is_file() else -1
+        if info.offset < 0 or info.length < 0 or info.offset + info.length > sizes[info.relative_path]:
+            raise CheckpointError(f"{d / info.relative_path}: missing or truncated")
+    return meta
 
 
-class CheckpointError(RuntimeError):
-    pass
+def safe_reader(ckpt_dir: str | Path):
+    """A ``FileSystemReader`` whose ``read_metadata`` is ``read_dcp_metadata`` (DCP's own calls
+    ``pickle.load``). Tensor data is read by DCP with ``torch.load(weights_only=True)``."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeFileSystemReader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            if kwargs.get("rank") is not None:
+                raise CheckpointError(f"{self.path}: per-rank metadata is not supported")
+            meta = read_dcp_metadata(self.path)
+            if getattr(meta, "storage_meta", None) is None:
+                meta.storage_meta = StorageMeta()
+            meta.storage_meta.load_id = self.load_id
+            return meta
+
+    return SafeFileSystemReader(ckpt_dir)
 
 
-def load_checkpoint(path: str | Path) -> dict:
-    """Load one checkpoint on CPU with ``weights_only=True``; reject pickled code and bad files."""
-    path = Path(path)
+# -- reading -------------------------------------------------------------------------------------
+
+def _first_line(e: BaseException) -> str:
+    s = str(e).strip()
+    return (s.splitlines()[0] if s else type(e).__name__)[:200]
+
+
+def read_marker(ckpt_dir: str | Path) -> dict:
+    """The commit marker of a DCP directory, checked (JSON; an error if missing or malformed)."""
+    d = Path(ckpt_dir)
+    path = d / MARKER
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        marker = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{d}: not committed (no {MARKER}: the save did not finish)") from None
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: unreadable ({_first_line(e)})") from None
+    need = {"format_version": int, "step": int, "tokens_seen": int, "data": dict, "config": dict,
+            "rng": dict, "optimizer_param_groups": list}
+    for key, tp in need.items():
+        if not isinstance(marker.get(key), tp):
+            raise CheckpointError(f"{path}: missing or malformed {key!r}")
+    if marker["format_version"] > FORMAT_VERSION:
+        raise CheckpointError(f"{path}: format_version {marker['format_version']} is newer than this "
+                              f"code's {FORMAT_VERSION}")
+    return marker
+
+
+def _dcp_meta(ckpt_dir: Path) -> dict:
+    """A DCP checkpoint's dict without its tensors (marker and metadata checked)."""
+    marker = read_marker(ckpt_dir)
+    read_dcp_metadata(ckpt_dir)
+    meta = {k: v for k, v in marker.items() if k not in ("optimizer_param_groups", "format", "writers",
+                                                           "saved_at")}
+    meta["rng"] = rng_from_json(marker["rng"])
+    meta["optimizer"] = {"param_groups": marker["optimizer_param_groups"]}
+    return meta
+
+
+def _load_file(path: Path, with_optimizer: bool = True) -> dict:
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=not with_optimizer)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: no such checkpoint") from None
     except Exception as e:  # truncated zip, pickled code (UnpicklingError), garbage
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"{path}: not a loadable checkpoint ({msg[:200]})") from None
+        raise CheckpointError(f"{path}: not a loadable checkpoint ({_first_line(e)})") from None
     if not isinstance(ckpt, dict) or "model" not in ckpt or "format_version" not in ckpt:
         raise CheckpointError(f"{path}: not a Nash-MHC checkpoint (missing model/format_version)")
     if ckpt["format_version"] > FORMAT_VERSION:
         raise CheckpointError(f"{path}: format_version {ckpt['format_version']} is newer than this "
                               f"code's {FORMAT_VERSION}")
+    if not with_optimizer:
+        ckpt.pop("optimizer", None)
     return ckpt
 
 
-def find_resume(run_dir: str | Path, warn: Callable[[str], None] = print) -> tuple[Path, dict] | None:
-    """The newest checkpoint in ``run_dir`` that loads; a corrupt newer one is reported and skipped."""
+def _load_dcp(ckpt_dir: Path, with_optimizer: bool = True) -> dict:
+    """Consolidate a committed DCP directory on the CPU, in this process alone."""
+    # What torch's dcp_to_torch_save does (format_utils.py), with the safe reader.
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    meta = _dcp_meta(ckpt_dir)
+    tensors: dict = {}
+    keys = None if with_optimizer else {"model"}
+    try:
+        with warnings.catch_warnings():  # "no process group: loading in a single process" is the point
+            warnings.simplefilter("ignore", UserWarning)
+            _load_state_dict(tensors, storage_reader=safe_reader(ckpt_dir),
+                             planner=_EmptyStateDictLoadPlanner(keys=keys), no_dist=True)
+    except CheckpointError:
+        raise
+    except Exception as e:
+        raise CheckpointError(f"{ckpt_dir}: DCP checkpoint does not load ({_first_line(e)})") from None
+    if "model" not in tensors:
+        raise CheckpointError(f"{ckpt_dir}: no model tensors")
+    meta["model"] = tensors["model"]
+    if with_optimizer:
+        meta["optimizer"]["state"] = tensors.get("optimizer", {}).get("state", {})
+    else:
+        meta.pop("optimizer")
+    return meta
+
+
+def load_checkpoint(path: str | Path, with_optimizer: bool = True) -> dict:
+    """Load a checkpoint of either form on the CPU: a ``ckpt_*.pt`` file or a committed DCP
+    directory (consolidated here; no process group or torch_xla needed). Both give the same dict:
+    ``model``, ``optimizer`` (unless ``with_optimizer=False``: faster for sampling and export),
+    ``step``, ``tokens_seen``, ``data``, ``rng``, ``nonfinite``, ``config``, ``trainer``,
+    ``format_version``. Pickled code, an uncommitted directory and corrupt data are refused with
+    ``CheckpointError``."""
+    p = Path(path)
+    if p.is_dir():
+        return _load_dcp(p, with_optimizer)
+    return _load_file(p, with_optimizer)
+
+
+def peek_checkpoint(path: str | Path) -> dict:
+    """What resuming needs to decide (config, step, ...), checked for loadability: a file is
+    loaded whole; a DCP directory gives its marker's contents (no tensors: those are read into the
+    live model later, each process its own shards) after its metadata and shard sizes are checked."""
+    p = Path(path)
+    return _dcp_meta(p) if p.is_dir() else _load_file(p)
+
+
+def find_latest(run_dir: str | Path, warn: Callable[[str], None] = print) -> tuple[Path, dict] | None:
+    """The newest committed checkpoint in ``run_dir`` that passes ``peek_checkpoint``, with what it
+    returned; a corrupt newer one is reported and skipped (never deleted)."""
     for _, path in reversed(list_checkpoints(run_dir)):
         try:
-            return path, load_checkpoint(path)
+            return path, peek_checkpoint(path)
         except CheckpointError as e:
             warn(f"warning: {e}; trying the previous checkpoint")
     return None
 
 
-class Checkpointer:
-    """What the training loop calls for checkpoints: ``find`` (the resume point), ``save``,
-    ``wait`` (for a save still being written) and ``rotate``.
+def find_resume(run_dir: str | Path, warn: Callable[[str], None] = print,
+                with_optimizer: bool = True) -> tuple[Path, dict] | None:
+    """The newest committed checkpoint in ``run_dir`` that loads, loaded (``load_checkpoint``)."""
+    for _, path in reversed(list_checkpoints(run_dir)):
+        try:
+            return path, load_checkpoint(path, with_optimizer)
+        except CheckpointError as e:
+            warn(f"warning: {e}; trying the previous checkpoint")
+    return None
 
-    The backend writes (``backend.save``); the master process rotates.
+
+def resolve_checkpoint(path: str | Path, warn: Callable[[str], None] = print,
+                       with_optimizer: bool = True) -> tuple[Path, dict]:
+    """A checkpoint file or directory, or a run directory (its newest committed checkpoint)."""
+    p = Path(path).expanduser()
+    if p.is_dir() and not is_dcp_dir(p):
+        found = find_resume(p, warn, with_optimizer)
+        if found is None:
+            raise CheckpointError(f"{p}: no checkpoint in this run directory (no committed ckpt_*), "
+                                  "and not a checkpoint directory itself")
+        return found
+    return p, load_checkpoint(p, with_optimizer)
+
+
+def consolidate(src: str | Path, out: str | Path, model_only: bool = False,
+                overwrite: bool = False) -> dict:
+    """Write a checkpoint (usually a DCP directory) as one ``ckpt_*.pt``-style file, loadable with
+    ``weights_only=True`` and resumable by either trainer (``model_only``: weights and metadata
+    only, for sampling and export). Never replaces an existing file unless ``overwrite``."""
+    out = Path(out)
+    if out.exists() and not overwrite:
+        raise CheckpointError(f"{out}: exists (pass --overwrite to replace it)")
+    ckpt = load_checkpoint(src, with_optimizer=not model_only)
+    atomic_torch_save(ckpt, out)
+    return ckpt
+
+
+# -- rotation and clean-up (master only) ----------------------------------------------------------
+
+def _delete(path: Path) -> None:
+    """Uncommit first (a crash half-way leaves an uncommitted directory, which is ignored)."""
+    if path.is_dir():
+        (path / MARKER).unlink(missing_ok=True)
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def rotate(run_dir: str | Path, keep: int, newest: int | None = None) -> list[Path]:
+    """Delete committed checkpoints older than ``newest`` (default: the newest committed) beyond
+    the ``keep`` newest, and unfinished saves older than it; return what was deleted. The master
+    calls it after a commit: nothing older than that commit is still being written."""
+    entries = _entries(Path(run_dir))
+    committed = [(s, p) for s, p, ok in entries if ok]
+    if newest is None:
+        if not committed:
+            return []
+        newest = committed[-1][0]
+    older = [p for s, p in committed if s < newest]
+    doomed = older[:max(0, len(older) - (keep - 1))] if keep > 0 else []
+    doomed += [p for s, p, ok in entries if not ok and s < newest]
+    for p in doomed:
+        _delete(p)
+    return doomed
+
+
+def clean_uncommitted(run_dir: str | Path) -> list[Path]:
+    """Delete every unfinished save (uncommitted DCP directories, temporary files). Only at start,
+    on the master, before any save of this run: nothing can be in flight."""
+    doomed = [p for _, p, ok in _entries(Path(run_dir)) if not ok]
+    for p in doomed:
+        _delete(p)
+    return doomed
+
+
+# -- the object the training loop calls -----------------------------------------------------------
+
+class Checkpointer:
+    """What the loop calls for checkpoints: ``find`` (the resume point), ``restore``, ``save``,
+    ``wait`` (for a save being written) and ``rotate``.
+
+    ``save`` copies the state to the host at the step (``backend.stage``: on XLA SPMD each process
+    copies only its local shards; with FSDP2 each rank its shard; in the single-file form only the
+    master copies). The write (``torch.save`` by the master, or ``dcp.save`` by every process over
+    the backend's checkpoint group) then runs at once, or with ``async_save`` in a background
+    thread while training continues. At most one save is pending: the next ``save`` waits for it
+    first. After the write the master commits (a DCP directory's marker) and rotates. A failed
+    background save raises ``CheckpointError`` at the next ``save``/``wait``.
     """
 
-    def __init__(self, run_dir: str | Path, keep: int, backend, log: Callable[[str], None] = print):
+    def __init__(self, run_dir: str | Path, keep: int, backend, log: Callable[[str], None] = print,
+                 async_save: bool = False):
         self.run_dir, self.keep, self.backend, self.log = Path(run_dir), keep, backend, log
+        self.async_save = async_save
+        self.sharded = backend.checkpoint_format == "dcp"
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
 
+    # -- resume ------------------------------------------------------------------------------
     def find(self, resume: str) -> tuple[Path, dict] | None:
-        """``checkpoint.resume``: ``auto`` (the newest loadable checkpoint in the run directory, if
-        any), ``none``, or a path (an error if it does not load)."""
+        """``checkpoint.resume``: ``auto`` (the newest committed checkpoint in the run directory
+        that passes ``peek_checkpoint``, if any), ``none``, or a path (an error if it does not
+        load). The master first deletes unfinished saves in the run directory. Every process must
+        arrive at the same checkpoint (checked with one host-side collective)."""
+        if self.backend.is_master:
+            for p in clean_uncommitted(self.run_dir):
+                self.log(f"removed {p}: an unfinished save")
         if resume == "none":
-            return None
-        if resume == "auto":
-            return find_resume(self.run_dir, warn=self.log)
-        path = Path(resume).expanduser()
-        return path, load_checkpoint(path)
+            found = None
+        elif resume == "auto":
+            found = find_latest(self.run_dir, warn=self.log)
+        else:
+            path = Path(resume).expanduser()
+            found = path, peek_checkpoint(path)
+        seen = f"{found[0].name}@{found[1]['step']}" if found else "none"
+        if not self.backend.all_equal(seen):
+            raise CheckpointError(f"{self.run_dir}: the processes see different checkpoints to "
+                                  f"resume from (this one: {seen}); put checkpoint.dir on storage "
+                                  "every host sees (a shared filesystem or a gcsfuse bucket)")
+        return found
 
-    def save(self, ckpt: dict, step: int, reason: str) -> Path:
-        path = checkpoint_path(self.run_dir, step)
-        self.backend.save(ckpt, path)
-        self.rotate()
-        self.log(f"saved {path} ({reason})")
+    def restore(self, path: Path, peeked: dict, model, optimizer) -> None:
+        """Load the tensors of a ``find`` result into the live (placed, sharded) model and
+        optimiser. A DCP directory on a sharded backend: each process reads its own shards, for
+        any mesh or world size (``backend.load_sharded_state``). Otherwise the whole state on the
+        CPU (a file, or a DCP directory consolidated) into ``backend.load_full_state``."""
+        if Path(path).is_dir() and self.sharded:
+            self.backend.load_sharded_state(model, optimizer, path,
+                                            peeked["optimizer"]["param_groups"], safe_reader(path))
+            return
+        full = peeked if "model" in peeked else load_checkpoint(path)
+        self.backend.load_full_state(model, optimizer, full["model"], full["optimizer"])
+
+    # -- save --------------------------------------------------------------------------------
+    def save(self, meta: dict, model, optimizer, reason: str, wait: bool = False) -> Path:
+        """Save ``meta`` (plain data: step, config, ...) with the model and optimiser state."""
+        self.wait()
+        step = int(meta["step"])
+        path = checkpoint_path(self.run_dir, step, self.sharded)
+        t0 = time.time()
+        state = self.backend.checkpoint_state(model, optimizer)
+        if self.sharded:
+            marker = {**meta, "format": "dcp", "rng": rng_to_json(meta["rng"]),
+                      "optimizer_param_groups": _jsonable(state["optimizer"]["param_groups"]),
+                      "writers": self.backend.host.size}
+            tensors = self.backend.stage({"model": state["model"],  # device -> host, now
+                                          "optimizer": {"state": state["optimizer"]["state"]}},
+                                         sharded=True)
+            job = lambda: self._write_dcp(path, tensors, marker)  # noqa: E731
+        else:
+            staged = self.backend.stage(state, sharded=False)  # the master's copy, now
+            obj = None if staged is None else {**meta, **staged}
+            job = lambda: self._write_file(path, obj)  # noqa: E731
+        staged_s = time.time() - t0
+        note = f"{reason}; staged in {staged_s:.2f}s"
+
+        def run():
+            try:
+                job()
+                if self.backend.is_master:
+                    self.rotate(newest=step)
+                    self.log(f"saved {path} ({note}, written in {time.time() - t0 - staged_s:.2f}s)")
+            except BaseException as e:  # noqa: BLE001 (re-raised by wait())
+                self._error = e
+
+        if self.async_save and not wait:
+            self._thread = threading.Thread(target=run, name="checkpoint-writer", daemon=True)
+            self._thread.start()
+        else:
+            run()
+            self._raise()
         return path
 
-    def wait(self) -> None:
-        """Block until no save is in flight (saves are synchronous here)."""
+    def _write_file(self, path: Path, obj: dict | None) -> None:
+        if obj is not None:  # the master
+            atomic_torch_save(obj, path)
 
-    def rotate(self) -> list[Path]:
-        """The master deletes all but the newest ``keep`` checkpoints."""
-        return rotate(self.run_dir, self.keep) if self.backend.is_master else []
+    def _write_dcp(self, path: Path, tensors: dict, marker: dict) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        group = self.backend.ckpt_group
+        if self.backend.is_master:
+            if path.exists():  # a stale save of the same step (e.g. after resuming further back)
+                _delete(path)
+            path.mkdir(parents=True, exist_ok=True)
+        if group is not None:
+            torch.distributed.barrier(group=group)  # nobody writes before the stale one is gone
+        with warnings.catch_warnings():  # one process: "saving in a single process" is the point
+            if group is None:
+                warnings.simplefilter("ignore", UserWarning)
+            dcp.save(tensors, storage_writer=dcp.FileSystemWriter(path, sync_files=True),
+                     planner=self.backend.dcp_save_planner(), process_group=group, no_dist=group is None)
+        # dcp.save returned: every writer finished and the coordinator (the master) wrote .metadata.
+        if self.backend.is_master:
+            atomic_write_json({**marker, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")},
+                              path / MARKER)
+
+    def wait(self, quiet: bool = False) -> None:
+        """Block until the pending save (if any) is written and committed; raise its error
+        (``quiet``: report it instead, when another error is already on its way)."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if quiet and self._error is not None:
+            self.log(f"warning: the pending checkpoint save failed ({_first_line(self._error)})")
+            self._error = None
+        self._raise()
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            e, self._error = self._error, None
+            if isinstance(e, CheckpointError):
+                raise e
+            raise CheckpointError(f"{self.run_dir}: saving a checkpoint failed ({_first_line(e)})") from e
+
+    def rotate(self, newest: int | None = None) -> list[Path]:
+        """The master deletes committed checkpoints older than ``newest`` beyond ``keep``."""
+        return rotate(self.run_dir, self.keep, newest) if self.backend.is_master else []
 
 
-# -- RNG state, as weights_only-loadable tensors and lists -------------------------------------
+def _jsonable(obj):
+    """Plain JSON data (the optimiser's param_groups: numbers, strings, flags, lists)."""
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, torch.Tensor) and obj.numel() == 1:
+        return obj.item()
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    raise TypeError(f"not JSON data: {type(obj).__name__}")
+
+
+# -- optimiser state by parameter name ------------------------------------------------------------
+
+def optimizer_state_by_name(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> dict:
+    """A format-1 optimiser state (keyed by index, ``Optimizer.state_dict()``) keyed by parameter
+    name instead, as ``torch.distributed.checkpoint.state_dict`` keys it. Index i is the i-th
+    parameter of the param groups, which ``build_optimizer`` orders the same way every run."""
+    keys = list(state.get("state", {}))
+    if not keys or not all(isinstance(k, int) for k in keys):
+        return state
+    names = {}
+    for name, p in model.named_parameters():  # a tied tensor under its first name
+        names.setdefault(id(p), name)
+    order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
+    n_saved = sum(len(g["params"]) for g in state["param_groups"])
+    if n_saved != len(order):
+        raise CheckpointError(f"the checkpoint's optimizer has {n_saved} parameters, this one {len(order)}")
+    return {"state": {order[i]: v for i, v in state["state"].items()},
+            "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in state["param_groups"]]}
+
+
+def keep_hyperparameters(optimizer: torch.optim.Optimizer):
+    """A context for loading optimiser state that keeps this run's hyperparameters and
+    implementation flags (``load_state_dict`` restores the saved groups' learning rate, weight
+    decay and ``fused``/``foreach`` flags, which belong to the old config or the other trainer)."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def ctx():
+        fresh = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        yield
+        for group, mine in zip(optimizer.param_groups, fresh):
+            for k in [k for k in group if k not in mine and k != "params"]:
+                del group[k]
+            group.update(mine)
+    return ctx()
+
+
+# -- RNG state ------------------------------------------------------------------------------------
 
 def rng_state() -> dict:
+    """The host RNGs, as weights_only-loadable tensors and lists."""
     py = random.getstate()
     np_state = np.random.get_state()
     state = {
@@ -185,7 +630,8 @@ def set_rng_state(state: dict) -> None:
         random.setstate((v, tuple(internal), gauss))
     if "numpy" in state:
         name, keys, pos, has_gauss, cached = state["numpy"]
-        np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+        keys = keys.numpy() if isinstance(keys, torch.Tensor) else np.asarray(keys)
+        np.random.set_state((name, keys.astype(np.uint32), pos, has_gauss, cached))
     if "torch" in state:
         torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
@@ -193,3 +639,60 @@ def set_rng_state(state: dict) -> None:
             torch.cuda.set_rng_state_all(state["cuda"])
         except (RuntimeError, IndexError):
             print("warning: CUDA RNG state not restored (different device count)", file=sys.stderr)
+
+
+def rng_to_json(state: dict) -> dict:
+    """``rng_state()`` as JSON data (for a DCP checkpoint's marker)."""
+    out = {"python": state["python"],
+           "numpy": [state["numpy"][0], state["numpy"][1].tolist(), *state["numpy"][2:]],
+           "torch": state["torch"].tolist()}
+    if "cuda" in state:
+        out["cuda"] = [t.tolist() for t in state["cuda"]]
+    return out
+
+
+def rng_from_json(state: dict) -> dict:
+    try:
+        out = {"python": state["python"],
+               "numpy": [state["numpy"][0], torch.tensor(state["numpy"][1], dtype=torch.int64),
+                         *state["numpy"][2:]],
+               "torch": torch.tensor(state["torch"], dtype=torch.uint8)}
+        if "cuda" in state:
+            out["cuda"] = [torch.tensor(t, dtype=torch.uint8) for t in state["cuda"]]
+    except (KeyError, TypeError, ValueError, IndexError, OverflowError) as e:
+        raise CheckpointError(f"malformed RNG state in {MARKER} ({_first_line(e)})") from None
+    return out
+
+
+# -- command line ---------------------------------------------------------------------------------
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m training.checkpoint",
+                                 description="Checkpoint tools.")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("consolidate", help="write a checkpoint (a DCP directory, or a run "
+                       "directory's newest) as one ckpt_*.pt-style file")
+    c.add_argument("checkpoint", help="a DCP checkpoint directory, a ckpt_*.pt file, or a run directory")
+    c.add_argument("out", help="the file to write (e.g. model.pt)")
+    c.add_argument("--model-only", action="store_true", help="leave the optimizer state out")
+    c.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    args = ap.parse_args(argv)
+    try:
+        src = Path(args.checkpoint).expanduser()
+        if src.is_dir() and not is_dcp_dir(src):  # a run directory: its newest committed checkpoint
+            found = find_latest(src, warn=lambda m: print(m, file=sys.stderr))
+            if found is None:
+                raise CheckpointError(f"{src}: no committed checkpoint (ckpt_*) in this directory")
+            src = found[0]
+        ckpt = consolidate(src, args.out, model_only=args.model_only, overwrite=args.overwrite)
+    except CheckpointError as e:
+        print(f"training.checkpoint: error: {e}", file=sys.stderr)
+        return 2
+    n = sum(v.numel() for v in ckpt["model"].values())
+    print(f"wrote {args.out}: {src} (step {ckpt['step']}, {n / 1e6:.2f}M model values"
+          f"{'' if args.model_only else ', with optimizer state'})", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -28,8 +28,14 @@ class ConfigError(ValueError):
     """A bad configuration: the message is one line naming the key or file."""
 
 
-def _help(text: str, **kw) -> Any:
-    return field(metadata={"help": text}, **kw)
+def _help(text: str, key: str | None = None, **kw) -> Any:
+    """A field with its help text; ``key``: its name in YAML when that is a Python keyword."""
+    return field(metadata={"help": text, **({"key": key} if key else {})}, **kw)
+
+
+def _key(f: dataclasses.Field) -> str:
+    """A field's name in YAML and overrides (``checkpoint.async`` is the field ``async_``)."""
+    return f.metadata.get("key", f.name)
 
 
 @dataclass
@@ -69,6 +75,9 @@ class TrainingConfig:
     compile: bool = _help("torch.compile the model (train.py on CUDA)", default=False)
     device: str = _help("train.py: auto (cuda, then mps, then cpu), cuda, cuda:N, mps or cpu",
                         default="auto")
+    fsdp: bool = _help("train.py under torchrun: shard parameters, gradients and optimizer state "
+                       "over the processes with FSDP2 (fully_shard per block); checkpoints become "
+                       "DCP directories", default=False)
     max_nonfinite_steps: int = _help(
         "stop (saving the last good state) after this many NaN/Inf steps in a row; each such step "
         "skips its update", default=5)
@@ -85,8 +94,11 @@ class CheckpointConfig:
     dir: str = _help("run directory: checkpoints, metrics.jsonl, TensorBoard events", default="runs/demo")
     interval: int = _help("save every this many steps (0: only at the end and on SIGTERM)", default=500)
     keep: int = _help("complete checkpoints kept (oldest deleted first)", default=3)
-    resume: str = _help("auto (newest complete checkpoint in dir, if any), none, or a checkpoint path",
-                        default="auto")
+    resume: str = _help("auto (newest committed checkpoint in dir, if any), none, or a checkpoint "
+                        "path (a ckpt_*.pt file or a ckpt_* directory)", default="auto")
+    async_: bool = _help("copy the state to host memory at the step and write it in a background "
+                         "thread while training goes on (at most one save pending)", key="async",
+                         default=False)
     init_from: Optional[str] = _help(
         "a run that starts from step 0 takes its weights from here: a Hugging Face Llama directory, a "
         "file from export_hf.py --import, a checkpoint or a run directory (architecture as model:; "
@@ -175,7 +187,7 @@ class Config:
 
 def _to_plain(obj: Any) -> Any:
     if dataclasses.is_dataclass(obj):
-        return {f.name: _to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        return {_key(f): _to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
     if isinstance(obj, tuple):
         return [_to_plain(v) for v in obj]
     return obj
@@ -261,7 +273,7 @@ def build(cls: type, data: Any, prefix: str = "") -> Any:
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: expected a mapping of keys, got {data!r}")
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    fields = {_key(f): f for f in dataclasses.fields(cls) if f.init}
     kwargs = {}
     for key, value in data.items():
         full = f"{prefix}.{key}" if prefix else str(key)
@@ -270,7 +282,7 @@ def build(cls: type, data: Any, prefix: str = "") -> Any:
             extra = f" (did you mean '{prefix + '.' if prefix else ''}{hint[0]}'?)" if hint else ""
             valid = "" if hint else f"; valid keys: {', '.join(fields)}"
             raise ConfigError(f"unknown key '{full}'{extra}{valid}")
-        kwargs[key] = _coerce(value, hints[key], full)
+        kwargs[fields[key].name] = _coerce(value, hints[fields[key].name], full)
     try:
         return cls(**kwargs)
     except ConfigError:
@@ -423,7 +435,7 @@ def schema_markdown() -> str:
     def walk(cls: type, prefix: str) -> None:
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
-            key = f"{prefix}{f.name}"
+            key = f"{prefix}{_key(f)}"
             tp = hints[f.name]
             if dataclasses.is_dataclass(tp):
                 walk(tp, key + ".")

@@ -18,7 +18,7 @@ import torch
 
 from model import ModelConfig, NashMHC
 
-from .checkpoint import CheckpointError, find_resume, load_checkpoint
+from .checkpoint import CheckpointError, resolve_checkpoint
 from .config import ConfigError, config_from_dict
 
 # ours -> transformers' LlamaForCausalLM, per block and for the rest
@@ -164,20 +164,9 @@ def load_llama(path: str | Path):
 
 
 def load_training_checkpoint(path: str | Path, warn: Callable[[str], None] = print) -> tuple[Path, dict]:
-    """A checkpoint file, a checkpoint directory, or a run directory (its newest checkpoint that
-    loads), through ``training.checkpoint``'s loaders."""
-    path = Path(path).expanduser()
-    if not path.is_dir():
-        return path, load_checkpoint(path)
-    found = find_resume(path, warn=warn)
-    if found is not None:
-        return found
-    try:
-        return path, load_checkpoint(path)  # a sharded checkpoint directory itself
-    except CheckpointError as e:
-        why = str(e).removeprefix(f"{path}: ")
-        raise CheckpointError(f"{path}: no checkpoint in this run directory, and not a checkpoint "
-                              f"directory itself ({why})") from None
+    """A checkpoint file, a checkpoint directory, or a run directory (its newest committed
+    checkpoint that loads), weights and config only: ``training.checkpoint``'s one loader."""
+    return resolve_checkpoint(path, warn, with_optimizer=False)
 
 
 def model_from_checkpoint(ckpt: dict, where) -> NashMHC:

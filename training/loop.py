@@ -33,7 +33,9 @@ from .optim import build_optimizer, lr_at, set_lr
 
 
 class StopRequested:
-    """SIGTERM/SIGINT: finish the current step, save, exit 0. A second SIGINT exits at once."""
+    """SIGTERM/SIGINT: stop at the next decision point (every step in one process, the next log
+    step with several: all processes stop at the same step), save, exit 0. A second SIGINT exits
+    at once."""
 
     def __init__(self):
         self.requested = False
@@ -56,8 +58,8 @@ class StopRequested:
             os._exit(130)
         self.requested = True
         self.signal_name = signal.Signals(signum).name
-        info(f"{self.signal_name} received: finishing this step, saving a checkpoint, then exiting "
-             "(Ctrl+C again to exit at once)")
+        info(f"{self.signal_name} received: stopping at the next decision step, saving a checkpoint, "
+             "then exiting (Ctrl+C again to exit at once)")
 
     def restore(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -103,6 +105,14 @@ def check_resume_compatible(cfg: Config, ckpt: dict, path: Path) -> None:
                                                            "model.loss_chunk"))]
         if structural:
             raise CheckpointError(f"{path}: model config differs from the checkpoint's ({'; '.join(structural)})")
+    try:
+        saved_opt = ckpt["config"]["training"]["optimizer"]
+    except (KeyError, TypeError):
+        saved_opt = cfg.training.optimizer
+    if saved_opt != cfg.training.optimizer:
+        raise CheckpointError(f"{path}: training.optimizer {saved_opt!r} -> {cfg.training.optimizer!r}: "
+                              "the optimizer state does not carry over (use the checkpoint's optimizer, "
+                              "or checkpoint.resume=none)")
 
 
 class Trainer:
@@ -136,7 +146,8 @@ class Trainer:
         seed_everything(t_cfg.seed)
         model = NashMHC(cfg.model)  # same seed on every process: identical initial weights
         self.state = RunState()
-        self.checkpointer = Checkpointer(self.run_dir, cfg.checkpoint.keep, backend, self.log_line)
+        self.checkpointer = Checkpointer(self.run_dir, cfg.checkpoint.keep, backend, self.log_line,
+                                         async_save=cfg.checkpoint.async_)
         resumed = self.checkpointer.find(cfg.checkpoint.resume)
         if resumed is not None and "optimizer" not in resumed[1]:
             raise CheckpointError(f"{resumed[0]}: weights only (export_hf.py --import?): start a run "
@@ -160,20 +171,19 @@ class Trainer:
                     "start over.")
                 self.finished = True
                 return
-            model.load_state_dict(ckpt["model"])
         self._log_start(model)
 
-        # -- device placement, the optimiser and the rest of the saved state ---------------------
+        # -- device placement, the optimiser, then the saved state into them ---------------------
         self.train_model = backend.prepare_model(model, cfg)
         self.model = raw_model = backend.unwrap(self.train_model)
         self.optimizer = build_optimizer(raw_model, t_cfg, backend.adamw_factory())
         if hasattr(self.optimizer, "init_state"):
             self.optimizer.init_state()  # state exists before step 1: step 1 traces the steady graph
-        if resumed is None:
-            backend.prepare_optimizer(self.optimizer)
-        else:
+        backend.prepare_optimizer(self.optimizer)
+        if resumed is not None:
+            self.checkpointer.restore(ckpt_path, ckpt, self.train_model, self.optimizer)
             self._restore_state(ckpt_path, ckpt)
-            del ckpt
+            del ckpt, resumed
 
         # -- data on the device, logging, signals ------------------------------------------------
         state = self.state
@@ -220,9 +230,8 @@ class Trainer:
             + (f" (training.total_tokens={t_cfg.total_tokens:,})" if t_cfg.max_steps is None else ""))
 
     def _restore_state(self, path: Path, ckpt: dict) -> None:
-        """Optimiser, RNG, step, tokens and data position from a checkpoint (the model is loaded)."""
+        """RNG, step, tokens, data position and counters from a checkpoint (the tensors are in)."""
         state = self.state
-        self.backend.load_optimizer_state(self.optimizer, ckpt["optimizer"])
         set_rng_state(ckpt["rng"])
         state.step, state.tokens_seen = int(ckpt["step"]), int(ckpt["tokens_seen"])
         state.epoch, state.offset = int(ckpt["data"]["epoch"]), int(ckpt["data"]["offset"])
@@ -260,7 +269,7 @@ class Trainer:
         backend.sync()  # XLA: the update is its own graph, the same for every accumulation
         backend.reduce_gradients(optimizer)
         grads = [p.grad for p in self.params if p.grad is not None]
-        grad_norm = torch.nn.utils.get_total_norm(grads)
+        grad_norm = backend.grad_norm(grads)
         if t_cfg.grad_clip > 0:
             torch.nn.utils.clip_grads_with_norm_(self.params, t_cfg.grad_clip, grad_norm)
         loss = micro_losses[0] if accum == 1 else torch.stack(micro_losses).mean()
@@ -275,7 +284,7 @@ class Trainer:
         values = {"loss": loss, "grad_norm": grad_norm, "_skipped": self.skipped,
                   "_worst_streak": self.worst_streak, **out.metrics}
         self.value_names = list(values)
-        return backend.mean_across(torch.stack([v.float() for v in values.values()]))
+        return backend.mean_across(torch.stack([backend.whole(v).float() for v in values.values()]))
 
     # -- evaluation --------------------------------------------------------------------------
     def evaluate(self) -> torch.Tensor:
@@ -334,31 +343,33 @@ class Trainer:
 
     # -- decisions taken by every process together -------------------------------------------
     def should_stop(self) -> str | None:
-        """``"nonfinite"``, ``"signal"`` or ``None``; the same answer on every process."""
-        if self.backend.any_process(self.stop_nonfinite):
+        """``"nonfinite"``, ``"signal"`` or ``None``: the same answer on every process, from one
+        host-side all-reduce of both flags (a SIGTERM that reached one host stops them all)."""
+        nonfinite, signalled = self.backend.any_process(self.stop_nonfinite, STOP.requested)
+        if nonfinite:
             return "nonfinite"
-        if self.backend.any_process(STOP.requested):
+        if signalled:
             return "signal"
         return None
 
     # -- checkpoints -------------------------------------------------------------------------
-    def save(self, reason: str) -> None:
-        state, backend = self.state, self.backend
-        backend.wait_host()  # pending log lines update state.nonfinite_total
+    def save(self, reason: str, wait: bool = False) -> None:
+        """Checkpoint the model, optimiser and run state (``wait``: synchronously even with
+        ``checkpoint.async``, as the last save of a run is)."""
+        state = self.state
+        self.backend.wait_host()  # pending log lines update state.nonfinite_total
         pos = self.stream.advance(state.epoch, state.offset, state.batches_done)
-        ckpt = {
+        meta = {
             "format_version": FORMAT_VERSION,
-            "model": backend.model_state(self.train_model),
-            "optimizer": backend.optimizer_state(self.optimizer),
             "step": state.step,
             "tokens_seen": state.tokens_seen,
             "data": {"epoch": pos[0], "offset": pos[1]},
             "rng": rng_state(),
             "nonfinite": {"total": state.nonfinite_total},
             "config": self.cfg.to_dict(),
-            "trainer": backend.name,
+            "trainer": self.backend.name,
         }
-        self.checkpointer.save(ckpt, state.step, reason)
+        self.checkpointer.save(meta, self.train_model, self.optimizer, reason, wait=wait)
 
     # -- the loop ----------------------------------------------------------------------------
     def fit(self) -> int:
@@ -390,13 +401,19 @@ class Trainer:
                 backend.sync()
                 self.monitor.advance(state.step)
 
-                if do_log or state.step % backend.signal_check_interval == 0:
+                # Decisions at log steps (every process logs at the same steps); one process
+                # needs no agreement and may look more often.
+                alone = backend.host.size == 1 and state.step % backend.signal_check_interval == 0
+                if do_log or alone:
                     reason = self.should_stop()
                     if reason is not None:
                         exit_reason = reason
                         break
                 if cfg.checkpoint.interval > 0 and state.step % cfg.checkpoint.interval == 0 and not last:
                     self.save("interval")
+        except BaseException:
+            self.checkpointer.wait(quiet=True)  # a save in flight still commits if it can
+            raise
         finally:
             backend.wait_host()  # the last log lines reach metrics.jsonl before it closes
             STOP.restore()
@@ -408,7 +425,7 @@ class Trainer:
     def _finish(self, exit_reason: str) -> int:
         state = self.state
         if exit_reason == "nonfinite":
-            self.save("non-finite loss")
+            self.save("non-finite loss", wait=True)
             self.log_line(
                 f"error: the loss or gradient was NaN/Inf for {self.cfg.training.max_nonfinite_steps} "
                 f"steps in a row (step {state.step}); updates were skipped, so the checkpoint holds "
@@ -416,10 +433,10 @@ class Trainer:
                 "precision=fp32.")
             self.backend.finish(self.run_dir, self.log_line)
             return 3
-        self.save("signal" if exit_reason == "signal" else "final")
+        self.save("signal" if exit_reason == "signal" else "final", wait=True)
         if exit_reason == "signal":
-            self.log_line(f"stopped at step {state.step} after {STOP.signal_name}; resume with the "
-                          "same command")
+            why = STOP.signal_name or "a stop signal on another process"
+            self.log_line(f"stopped at step {state.step} after {why}; resume with the same command")
         elif "eval_loss" in self.last_record:
             last = self.last_record
             self.log_line(f"done: {state.step} steps, {state.tokens_seen:,} tokens; final val loss "

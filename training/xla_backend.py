@@ -14,8 +14,14 @@ the update); the device loader's sync ends each micro-step. A log line's values 
 one vector, copied with ``.cpu()`` (one transfer, never ``.item()``, which would show up as an
 ``aten::`` fallback) in an asynchronous step closure: the loop does not wait for it.
 
-Set-up checks (the mesh, the SPMD batch, the data every host has) refuse a launch with one line
-before anything compiles, decided by all hosts together.
+Several processes (SPMD over hosts, or ddp with one process per chip) join ONE gloo process group
+with ``init_method='xla://'`` (rank = host in SPMD, = ordinal in ddp). Everything the processes
+decide together goes through it, host-side (``training.distributed.HostGroup``: no device sync,
+no rendezvous): the set-up checks (the mesh, the SPMD batch, the data every host has) refuse a
+launch with one line before anything compiles; stop after SIGTERM or non-finite steps is checked
+at log steps. SPMD checkpoints are DCP directories written with torch_xla's ``SPMDSavePlanner``
+over a second gloo group (the writer thread's): each host writes only its own shards (replicated
+tensors once), nothing is gathered. ddp checkpoints are single files by the master.
 """
 from __future__ import annotations
 
@@ -36,10 +42,10 @@ import torch_xla.distributed.parallel_loader as pl
 import torch_xla.runtime as xr
 from torch import nn
 
-from .backend import Backend, load_optimizer_state
-from .checkpoint import fsync_dir
+from .backend import Backend
 from .config import ConfigError
 from .data import data_fingerprint
+from .distributed import HostGroup, init_gloo, new_gloo_group
 from .monitor import peak_flops_for
 from .optim import AdamW
 from .sharding import param_partition_spec, state_partition_spec
@@ -57,6 +63,27 @@ def xla_counters() -> dict:
         "device_to_host_transfers": int(transfers[0]) if transfers else 0,
         "executions": int(met.counter_value("ExecuteComputation") or 0),
     }
+
+
+def _one_copy_per_shard(staged):
+    """Keep one copy of each shard in ``_CpuShards``. A tensor sharded over one mesh axis and
+    replicated over another (``fsdp`` x ``data``) has several identical local shards; torch_xla
+    2.9's ``SPMDSavePlanner`` dedups write items across *and within* a process's plan by
+    (name, offset), and within one plan that removes every copy: the tensor is silently missing
+    from the checkpoint. One copy per offset avoids it (other hosts' copies are still deduped)."""
+    from torch.utils._pytree import tree_map_only
+    from torch_xla.experimental.distributed_checkpoint._helpers import _CpuShards
+
+    def dedup(cs):
+        seen, shards = set(), []
+        for sh in cs.shards:
+            key = tuple((i.start, i.stop) for i in sh.indices) if isinstance(sh.indices, list) else ()
+            if key not in seen:
+                seen.add(key)
+                shards.append(sh)
+        return _CpuShards(shards=shards, global_shape=cs.global_shape)
+
+    return tree_map_only(_CpuShards, dedup, staged)
 
 
 def build_mesh(m) -> "xs.Mesh":
@@ -139,21 +166,6 @@ def launch_verdict(entries: list[str], data_dir: str) -> str | None:
     return None
 
 
-def _all_gather_text(text: str, size: int = 1024) -> list[str]:
-    """Every process's ``text`` (UTF-8, at most ``size`` bytes), in rank order, over a host-side
-    gloo group (``xla://``: process count and index in SPMD, device ordinals in ddp). No
-    device work, so nothing is compiled."""
-    import torch.distributed as dist
-    import torch_xla.distributed.xla_backend  # noqa: F401  registers xla://
-
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method="xla://")
-    data = text.encode()[:size]
-    mine = torch.zeros(size, dtype=torch.uint8)
-    mine[:len(data)] = torch.tensor(list(data), dtype=torch.uint8)
-    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(everyone, mine)
-    return [bytes(t.tolist()).rstrip(b"\0").decode(errors="replace") for t in everyone]
 
 
 def _recompute_all_partition(joint_module, joint_inputs, *, num_fwd_outputs, **kw):
@@ -293,9 +305,19 @@ class XLABackend(Backend):
             self.rank = xr.global_ordinal()
             self.is_master = self.rank == 0  # the global master: one writer across hosts
             problem = ""
+        # One gloo group over every process (world = hosts in SPMD, ordinals in ddp; its TCP store
+        # is on host 0: MASTER_ADDR or the TPU metadata, MASTER_PORT, default 12355), made once:
+        # the launch checks, the loop's decisions and checkpoint I/O all go through it.
+        self.processes = xr.process_count() if self.spmd else self.world_size
+        if self.processes > 1:
+            from torch_xla.distributed import xla_backend as _xla_pg  # noqa: F401  (registers xla://)
+            init_gloo("xla://")
+            self.host = HostGroup(new_gloo_group())
+            self.ckpt_group = new_gloo_group()  # the checkpoint writer's thread has its own
+        self.checkpoint_format = "dcp" if self.spmd else "file"
         self._agree_at_launch(cfg, problem)
-        # Cross-process decisions (stop signals) are taken at log intervals: a rendezvous costs
-        # a host round trip, which the step never pays.
+        # Decisions (stop after SIGTERM or non-finite steps) are taken at log steps, where every
+        # process is; a step closure's flags are known after the log step's sync.
         self.signal_check_interval = cfg.logging.interval
         self._specs: dict[int, tuple] = {}
         self._grad_hooks: dict[int, object] = {}
@@ -308,10 +330,8 @@ class XLABackend(Backend):
         """The launch checks whose inputs differ between hosts, decided by all processes together
         before anything compiles: the data (every host's meta.json fingerprint) and this host's
         share of the mesh check. All refuse with the same one-line error, or none does."""
-        processes = xr.process_count() if self.spmd else self.world_size
         meta = json.loads((Path(cfg.data.dir).expanduser() / "meta.json").read_text())
-        mine = f"{data_fingerprint(meta)}\n{problem}"
-        entries = [mine] if processes == 1 else _all_gather_text(mine)
+        entries = self.host.all_gather_text(f"{data_fingerprint(meta)}\n{problem}")
         verdict = launch_verdict(entries, cfg.data.dir)
         if verdict:
             raise ConfigError(verdict)
@@ -450,41 +470,49 @@ class XLABackend(Backend):
             e, self._host_error = self._host_error, None
             raise e
 
-    def any_process(self, flag: bool) -> bool:
-        if self.spmd or self.world_size == 1:
-            return flag
-        return bool(xm.mesh_reduce("nash_mhc_flag", int(flag), max))
-
-    def barrier(self) -> None:
-        if not self.spmd and self.world_size > 1:
-            xm.rendezvous("nash_mhc_barrier")
-
     # -- checkpoints -------------------------------------------------------------------------
-    def model_state(self, model: nn.Module) -> dict:
-        # Device tensors: xm.save moves them to the host on the writing process only. In SPMD
-        # a sharded tensor comes back whole, so the file is consolidated and loads in train.py.
-        return {k: v.detach() for k, v in self.unwrap(model).state_dict().items()}
+    def stage(self, state: dict, sharded: bool) -> dict | None:
+        """Device to host, now. SPMD: each process copies only its devices' shards (torch_xla's
+        ``_sharded_cpu_state_dict``, what its ``CheckpointManager.save_async`` uses); nothing is
+        gathered. ddp: the master copies the whole (replicated) state; the others nothing."""
+        from torch_xla.experimental.distributed_checkpoint._helpers import _sharded_cpu_state_dict
+        if not sharded and not self.is_master:
+            return None
+        torch_xla.sync()
+        xm.wait_device_ops()
+        staged = _sharded_cpu_state_dict(state)
+        return _one_copy_per_shard(staged) if sharded else staged
 
-    def optimizer_state(self, optimizer) -> dict:
-        return optimizer.state_dict()
+    def dcp_save_planner(self):
+        import torch_xla.experimental.distributed_checkpoint as xc
+        return xc.SPMDSavePlanner() if self.spmd else None
 
-    def load_optimizer_state(self, optimizer, state: dict) -> None:
-        load_optimizer_state(optimizer, state)
-        self.prepare_optimizer(optimizer)  # loaded state arrives unsharded: shard it again
+    def dcp_load_planner(self):
+        import torch_xla.experimental.distributed_checkpoint as xc
+        return xc.SPMDLoadPlanner() if self.spmd else None
 
-    def save(self, obj: dict, path: Path) -> None:
-        """Every process calls xm.save (a collective); the global master writes a temporary
-        file, which it then fsyncs and renames."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
-        xm.save(obj, str(tmp), master_only=True, global_master=True)
-        if self.is_master:
-            with open(tmp, "rb+") as f:
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-            fsync_dir(path.parent)
-        self.barrier()
+    def load_full_state(self, model, optimizer, model_state, optim_state) -> None:
+        # copy_ into a sharded parameter keeps its sharding; the optimiser's loaded state arrives
+        # as new unsharded tensors: shard it again.
+        super().load_full_state(model, optimizer, model_state, optim_state)
+        self.prepare_optimizer(optimizer)
+
+    def load_sharded_state(self, model, optimizer, path, param_groups, reader) -> None:
+        """SPMDLoadPlanner loads each process's shards in place, into the parameters and the
+        optimiser state already placed and sharded for this mesh (any mesh: DCP reshards)."""
+        import warnings
+        import torch.distributed.checkpoint as dcp
+        # Materialise the freshly created optimiser state first: the planner reads each tensor's
+        # shard layout from its device data (a pending zeros_like has none yet).
+        torch_xla.sync()
+        xm.wait_device_ops()
+        state = self.checkpoint_state(model, optimizer)
+        target = {"model": state["model"], "optimizer": {"state": state["optimizer"]["state"]}}
+        with warnings.catch_warnings():  # one process: "loading in a single process" is the point
+            if self.ckpt_group is None:
+                warnings.simplefilter("ignore", UserWarning)
+            dcp.load(target, storage_reader=reader, planner=self.dcp_load_planner(),
+                     process_group=self.ckpt_group, no_dist=self.ckpt_group is None)
 
     # -- reporting ---------------------------------------------------------------------------
     @property
@@ -506,6 +534,11 @@ class XLABackend(Backend):
         c = xla_counters()
         return {"xla_compilations": c["compilations"], "xla_cpu_fallbacks": c["cpu_fallbacks"],
                 "xla_transfers": c["device_to_host_transfers"]}
+
+    def shutdown(self) -> None:
+        import torch.distributed as dist
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
 
     def finish(self, run_dir: Path, log: Callable[[str], None]) -> None:
         torch_xla.sync()

@@ -1,0 +1,91 @@
+"""What a checkpoint step costs the training loop: synchronous against asynchronous saves.
+
+    .venv/bin/python bench/checkpoint.py                       # d_model 512, 8 layers, 5 repeats
+    .venv/bin/python bench/checkpoint.py --d-model 256 --layers 4 --repeats 3
+
+For each form (``file``: one ckpt_*.pt by the master; ``dcp``: a torch.distributed.checkpoint
+directory, here written by one process) and each mode (``checkpoint.async`` false/true) it times,
+through the real ``training.checkpoint.Checkpointer`` and ``TorchBackend`` on the CPU:
+
+- ``blocked_s``: how long ``Checkpointer.save`` holds the loop, i.e. what the checkpoint step
+  adds to a step (sync: stage + write + commit; async: the host copy only);
+- ``total_s``: until the save is written and committed (``save`` then ``wait``).
+
+Saves alternate form by form and mode by mode inside each repeat (interleaved, so that machine
+load affects every variant alike); figures are medians over repeats, and ``async_over_sync`` is
+the ratio of the medians of blocked time. Prints one JSON object.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from model import ModelConfig, NashMHC  # noqa: E402
+from training.backend import TorchBackend  # noqa: E402
+from training.checkpoint import Checkpointer, rng_state  # noqa: E402
+from training.config import load_config  # noqa: E402
+from training.optim import build_optimizer  # noqa: E402
+
+
+def checkpoint_step_times(d_model: int = 512, layers: int = 8, repeats: int = 5) -> dict:
+    torch.manual_seed(0)
+    cfg = load_config(None, ["training.max_steps=1"])
+    model = NashMHC(ModelConfig(vocab_size=8192, d_model=d_model, n_layers=layers,
+                                n_heads=max(1, d_model // 64), n_kv_heads=max(1, d_model // 128),
+                                max_seq_len=256))
+    backend = TorchBackend("cpu")
+    opt = build_optimizer(model, cfg.training, backend.adamw_factory())
+    x = torch.randint(0, 8192, (1, 64))
+    model(x, x).loss.backward()
+    opt.step()  # AdamW moments exist: the full state a checkpoint holds
+    n_values = sum(p.numel() for p in model.parameters())
+    meta = {"format_version": 2, "step": 0, "tokens_seen": 0, "data": {"epoch": 0, "offset": 0},
+            "rng": rng_state(), "nonfinite": {"total": 0}, "config": cfg.to_dict(), "trainer": "torch"}
+    variants = [(form, mode) for form in ("file", "dcp") for mode in ("sync", "async")]
+    times: dict = {v: {"blocked_s": [], "total_s": []} for v in variants}
+    with tempfile.TemporaryDirectory() as tmp:
+        step = 0
+        for _ in range(repeats):
+            for form, mode in variants:
+                step += 1
+                backend.checkpoint_format = form
+                ck = Checkpointer(Path(tmp) / f"{form}_{mode}", keep=1, backend=backend,
+                                  log=lambda m: None, async_save=mode == "async")
+                t0 = time.perf_counter()
+                ck.save({**meta, "step": step}, model, opt, "bench")
+                t1 = time.perf_counter()
+                ck.wait()
+                t2 = time.perf_counter()
+                times[(form, mode)]["blocked_s"].append(t1 - t0)
+                times[(form, mode)]["total_s"].append(t2 - t0)
+    out = {"model_values": n_values, "state_mb": round(n_values * 3 * 4 / 2**20, 1),
+           "repeats": repeats, "torch_threads": torch.get_num_threads()}
+    for (form, mode), t in times.items():
+        out[f"{form}_{mode}"] = {k: round(statistics.median(v), 4) for k, v in t.items()}
+    for form in ("file", "dcp"):
+        out[f"{form}_async_over_sync"] = round(out[f"{form}_async"]["blocked_s"]
+                                               / out[f"{form}_sync"]["blocked_s"], 3)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--d-model", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args()
+    print(json.dumps(checkpoint_step_times(args.d_model, args.layers, args.repeats), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

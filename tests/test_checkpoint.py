@@ -1,0 +1,285 @@
+"""Checkpoints, piece by piece and in one process: both forms through one loader, commit markers,
+rotation, asynchronous saves, a SIGKILL in the middle of a write, safe loading of DCP metadata,
+format-1 files, consolidation, and the host-side decisions between two processes."""
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import ENV, ROOT, losses, run, tiny_config
+from training.checkpoint import (MARKER, Checkpointer, CheckpointError, checkpoint_path, find_latest,
+                                 list_checkpoints, load_checkpoint, read_dcp_metadata, rng_state)
+
+
+# -- a tiny model and optimiser, saved through the real backend ----------------------------------
+
+def _setup(sharded: bool, async_save: bool = False, run_dir: Path | None = None, keep: int = 2):
+    from model import ModelConfig, NashMHC
+    from training.backend import TorchBackend
+    from training.config import load_config
+    from training.optim import build_optimizer
+
+    torch.manual_seed(0)
+    model = NashMHC(ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1,
+                                max_seq_len=16, mhc_streams=2, nash_scales=2, nash_compression=4,
+                                nash_window=8))
+    tcfg = load_config(None, ["training.max_steps=1"]).training
+    backend = TorchBackend("cpu")
+    backend.checkpoint_format = "dcp" if sharded else "file"  # DCP in one process: no group
+    opt = build_optimizer(model, tcfg, backend.adamw_factory())
+    x = torch.randint(0, 64, (2, 16))
+    model(x, x).loss.backward()
+    opt.step()
+    ck = Checkpointer(run_dir, keep=keep, backend=backend, log=lambda m: None, async_save=async_save)
+    return model, opt, backend, ck
+
+
+def _meta(step: int) -> dict:
+    from training.config import load_config
+    cfg = load_config(None, ["training.max_steps=1"])
+    return {"format_version": 2, "step": step, "tokens_seen": 10 * step, "data": {"epoch": 0, "offset": step},
+            "rng": rng_state(), "nonfinite": {"total": 0}, "config": cfg.to_dict(), "trainer": "torch"}
+
+
+@pytest.mark.parametrize("sharded, async_save", [(False, False), (True, False), (True, True)])
+def test_both_forms_save_and_load_the_same_dict(tmp_path, sharded, async_save):
+    model, opt, backend, ck = _setup(sharded, async_save, tmp_path)
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    path = ck.save(_meta(3), model, opt, "test")
+    with torch.no_grad():  # training goes on while an asynchronous save is written
+        for p in model.parameters():
+            p.add_(1.0)
+    ck.wait()
+    assert path == checkpoint_path(tmp_path, 3, sharded) and list_checkpoints(tmp_path) == [(3, path)]
+    if sharded:
+        assert json.loads((path / MARKER).read_text())["step"] == 3
+    ckpt = load_checkpoint(path)
+    assert ckpt["step"] == 3 and ckpt["data"] == {"epoch": 0, "offset": 3}
+    assert ckpt["model"].keys() == saved.keys()
+    for k, v in saved.items():  # the state at the save, not after it
+        assert torch.equal(ckpt["model"][k], v), k
+    state = ckpt["optimizer"]["state"]
+    assert set(state) == {n for n, _ in model.named_parameters()}  # a tied tensor once
+    assert torch.equal(state["tok_emb.weight"]["exp_avg"], opt.state[model.tok_emb.weight]["exp_avg"])
+    assert [g["params"] for g in ckpt["optimizer"]["param_groups"]][1][0] == "tok_emb.weight"
+    assert torch.equal(ckpt["rng"]["torch"], _meta(3)["rng"]["torch"])
+    # a fresh model and optimiser take it back (by parameter name) and keep their own lr
+    model2, opt2, backend2, ck2 = _setup(sharded, run_dir=tmp_path)
+    for g in opt2.param_groups:
+        g["lr"] = 0.123
+    found = ck2.find("auto")
+    ck2.restore(*found, model2, opt2)
+    for k, v in model2.state_dict().items():
+        assert torch.equal(ckpt["model"][k], v), k
+    assert torch.equal(opt2.state[model2.tok_emb.weight]["exp_avg_sq"], state["tok_emb.weight"]["exp_avg_sq"])
+    assert all(g["lr"] == 0.123 for g in opt2.param_groups)
+
+
+def test_rotation_deletes_only_older_committed_checkpoints(tmp_path):
+    model, opt, backend, ck = _setup(True, run_dir=tmp_path)
+    for s in (10, 20):
+        ck.save(_meta(s), model, opt, "test")
+    stale = checkpoint_path(tmp_path, 15, sharded=True)   # a save that never committed
+    stale.mkdir()
+    (stale / "__0_0.distcp").write_bytes(b"partial")
+    newer = checkpoint_path(tmp_path, 40, sharded=True)   # (not older than the new commit)
+    newer.mkdir()
+    ck.save(_meta(30), model, opt, "test")
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [20, 30]  # keep: 2
+    assert not stale.exists() and newer.exists()
+    # at start the master removes every unfinished save, and resumes from the newest commit
+    path, meta = ck.find("auto")
+    assert not newer.exists() and meta["step"] == 30 and "model" not in meta
+
+
+def test_uncommitted_and_corrupt_checkpoints_fall_back(tmp_path):
+    model, opt, backend, ck = _setup(True, run_dir=tmp_path, keep=3)
+    for s in (10, 20, 30):
+        ck.save(_meta(s), model, opt, "test")
+    (checkpoint_path(tmp_path, 30, True) / MARKER).unlink()          # 30: not committed
+    shard = next(checkpoint_path(tmp_path, 20, True).glob("*.distcp"))  # 20: truncated shard
+    shard.write_bytes(shard.read_bytes()[:100])
+    warnings = []
+    path, meta = find_latest(tmp_path, warn=warnings.append)
+    assert path == checkpoint_path(tmp_path, 10, True) and meta["step"] == 10
+    assert len(warnings) == 1 and "truncated" in warnings[0] and "ckpt_00000020" in warnings[0]
+    with pytest.raises(CheckpointError, match="not committed"):
+        load_checkpoint(checkpoint_path(tmp_path, 30, True))
+
+
+class Evil:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_malicious_dcp_metadata_is_refused_without_running_it(tmp_path):
+    run_dir = tmp_path / "run"
+    model, opt, backend, ck = _setup(True, run_dir=run_dir)
+    ck.save(_meta(10), model, opt, "test")
+    ck.save(_meta(20), model, opt, "test")  # keep: 2
+    ckpt_dir = checkpoint_path(run_dir, 20, True)
+    pwned = tmp_path / "pwned"
+    with open(ckpt_dir / ".metadata", "wb") as f:
+        pickle.dump(Evil(pwned), f)
+    with pytest.raises(CheckpointError, match="refused to load posix.system|refused to load os.system"):
+        load_checkpoint(ckpt_dir)
+    warnings = []
+    assert find_latest(run_dir, warn=warnings.append)[1]["step"] == 10  # resume falls back
+    assert "refused" in warnings[0]
+    r = run(["sample.py", str(ckpt_dir)])
+    assert r.returncode == 2 and "refused" in r.stderr and "Traceback" not in r.stderr
+    r = run(["-m", "training.checkpoint", "consolidate", str(ckpt_dir), str(tmp_path / "out.pt")])
+    assert r.returncode == 2 and "refused" in r.stderr and not (tmp_path / "out.pt").exists()
+    assert not pwned.exists()
+
+
+def test_dcp_metadata_may_hold_tensor_entries_in_its_own_files_only(tmp_path):
+    """Legitimate classes, bad content: a byte entry (DCP would torch.load it with
+    weights_only=False) and a storage path outside the directory are refused."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+    model, opt, backend, ck = _setup(True, run_dir=tmp_path)
+    path = ck.save(_meta(1), model, opt, "test")
+    good = (path / ".metadata").read_bytes()
+    meta = read_dcp_metadata(path)
+    meta.state_dict_metadata["payload"] = BytesStorageMetadata()
+    (path / ".metadata").write_bytes(pickle.dumps(meta))
+    with pytest.raises(CheckpointError, match="'payload' is not a tensor"):
+        load_checkpoint(path)
+    (path / ".metadata").write_bytes(good)
+    meta = read_dcp_metadata(path)
+    info = next(iter(meta.storage_data.values()))
+    info.relative_path = "../../etc/passwd"
+    (path / ".metadata").write_bytes(pickle.dumps(meta))
+    with pytest.raises(CheckpointError, match="bad storage entry"):
+        load_checkpoint(path)
+
+
+def test_consolidate_writes_one_weights_only_file(tmp_path):
+    model, opt, backend, ck = _setup(True, run_dir=tmp_path / "run")
+    src = ck.save(_meta(7), model, opt, "test")
+    out = tmp_path / "model.pt"
+    r = run(["-m", "training.checkpoint", "consolidate", str(tmp_path / "run"), str(out)])
+    assert r.returncode == 0, r.stderr[-2000:]
+    one = torch.load(out, weights_only=True)
+    ref = load_checkpoint(src)
+    assert one["step"] == 7 and one.keys() == ref.keys()
+    assert all(torch.equal(one["model"][k], v) for k, v in ref["model"].items())
+    assert torch.equal(one["optimizer"]["state"]["tok_emb.weight"]["exp_avg"],
+                       ref["optimizer"]["state"]["tok_emb.weight"]["exp_avg"])
+    r = run(["-m", "training.checkpoint", "consolidate", str(src), str(out)])
+    assert r.returncode == 2 and "exists" in r.stderr  # never replaced silently
+    r = run(["-m", "training.checkpoint", "consolidate", str(src), str(out), "--overwrite", "--model-only"])
+    assert r.returncode == 0 and "optimizer" not in torch.load(out, weights_only=True)
+
+
+# -- a SIGKILL in the middle of an asynchronous write ---------------------------------------------
+
+# Runs train.py with checkpoint.async=true; the background write of step 10's checkpoint writes
+# half its bytes and stops there (and says so in a file), as a preempted host would.
+_HANG_AT_STEP_10 = textwrap.dedent("""
+    import sys, threading, torch
+    import training.checkpoint as c
+    hung = sys.argv[1]
+    real_save = torch.save
+    def save(obj, f, *a, **k):
+        if isinstance(obj, dict) and obj.get("step") == 10:
+            real_save(obj, f, *a, **k)
+            with open(f, "r+b") as fh:
+                fh.truncate(fh.seek(0, 2) // 2)
+            open(hung, "w").close()
+            threading.Event().wait()  # the write never finishes
+        return real_save(obj, f, *a, **k)
+    c.torch.save = save
+    sys.argv = ["train.py", *sys.argv[2:]]
+    import train
+    from training.loop import main
+    sys.exit(main(sys.argv[1:], train.run, "train.py"))
+""")
+
+
+def test_sigkill_during_an_async_write_leaves_the_previous_checkpoint(tmp_path, stdlib_data):
+    cfg = tiny_config(tmp_path, stdlib_data, **{"checkpoint.interval": 5, "checkpoint.async": True,
+                                                "evaluation.interval": 0, "training.max_steps": 14})
+    hung = tmp_path / "hung"
+    proc = subprocess.Popen([sys.executable, "-c", _HANG_AT_STEP_10, str(hung), str(cfg)], cwd=ROOT,
+                            env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        while not hung.exists():  # a file the hanging writer creates: no clock involved
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.communicate(timeout=60)
+    run_dir = tmp_path / "run"
+    before = losses(run_dir)
+    assert [s for s, _ in list_checkpoints(run_dir)] == [5] and list(run_dir.glob(".ckpt_00000010.pt.tmp-*"))
+    r = run(["train.py", str(cfg)])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resumed from" in r.stderr and "ckpt_00000005.pt" in r.stderr
+    assert not list(run_dir.glob(".ckpt_*tmp*"))  # the unfinished write was cleaned
+    after = losses(run_dir)
+    assert sorted(after) == list(range(1, 15))
+    for s in range(6, 11):  # redone from the step-5 checkpoint: the same steps
+        assert abs(after[s] - before[s]) <= 1e-6, (s, after[s], before[s])
+
+
+# -- a format-1 file (optimizer state by index) still resumes --------------------------------------
+
+def test_format_1_checkpoints_still_resume(tmp_path, stdlib_data):
+    over = {"checkpoint.interval": 4, "checkpoint.keep": 5, "evaluation.interval": 0,
+            "training.max_steps": 8}
+    cfg = tiny_config(tmp_path, stdlib_data, **over)
+    r = run(["train.py", str(cfg)])
+    assert r.returncode == 0, r.stderr[-3000:]
+    run_dir = tmp_path / "run"
+    ref = losses(run_dir)
+    new = torch.load(run_dir / "ckpt_00000004.pt", weights_only=True)
+    names = [n for g in new["optimizer"]["param_groups"] for n in g["params"]]
+    index = {n: i for i, n in enumerate(names)}
+    old = {**new, "format_version": 1, "optimizer": {  # what Optimizer.state_dict() gives
+        "state": {index[n]: v for n, v in new["optimizer"]["state"].items()},
+        "param_groups": [{**g, "params": [index[n] for n in g["params"]]}
+                         for g in new["optimizer"]["param_groups"]]}}
+    torch.save(old, run_dir / "ckpt_00000004.pt")
+    (run_dir / "ckpt_00000008.pt").unlink()
+    r = run(["train.py", str(cfg)])
+    assert r.returncode == 0 and "resumed from" in r.stderr, r.stderr[-3000:]
+    got = losses(run_dir)
+    for s in range(5, 9):
+        assert abs(got[s] - ref[s]) <= 1e-6, (s, got[s], ref[s])
+
+
+# -- host-side decisions between two processes -----------------------------------------------------
+
+def _decide(rank, store_path, out_dir):
+    import torch.distributed as dist
+    from training.distributed import HostGroup, new_gloo_group
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=2)
+    host = HostGroup(new_gloo_group())
+    res = {
+        "any": host.any([rank == 1, False, True]),
+        "equal": host.all_equal("meta.json v1"),
+        "differ": host.all_equal(f"meta.json from rank {rank}"),
+        "size": host.size,
+    }
+    (Path(out_dir) / f"{rank}.json").write_text(json.dumps(res))
+    dist.destroy_process_group()
+
+
+def test_host_group_decisions_are_the_same_everywhere(tmp_path):
+    import torch.multiprocessing as mp
+    mp.spawn(_decide, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2)
+    for rank in (0, 1):
+        res = json.loads((tmp_path / f"{rank}.json").read_text())
+        assert res == {"any": [True, False, True], "equal": True, "differ": False, "size": 2}

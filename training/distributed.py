@@ -1,0 +1,88 @@
+"""Host-side agreement between processes: small gloo collectives on CPU tensors.
+
+Decisions that must be the same on every process or host (stop after a SIGTERM that reached one
+of them, stop after too many non-finite steps, "is the data the same everywhere?") are taken with
+ONE tiny all-reduce over a gloo process group. The tensors live on the host, so the collective
+never waits for the accelerator (no device sync, unlike an all-reduce on the training group with
+nccl or XLA) and needs no rendezvous: it is an ordinary collective on a group made once at start.
+
+Every process must make the same calls in the same order (the loop takes decisions at log steps,
+which are the same steps everywhere). In a single process every method answers locally.
+
+Groups are made by the backends: ``TorchBackend`` after ``init_process_group`` (torchrun),
+``XLABackend`` after ``init_gloo("xla://")`` (one rank per host in SPMD, one per chip in ddp
+mode), whose group also carries the launch checks (``all_gather_text``). Checkpoint I/O gets a group of its own (``new_gloo_group``):
+an asynchronous save runs DCP's collectives in a background thread, and two threads must never
+share a process group.
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+
+def init_gloo(init_method: str) -> None:
+    """The default process group, with gloo, unless one is already initialised (a test, a
+    notebook, a caller that made it): then that one is used as it is."""
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=init_method)
+
+
+def new_gloo_group() -> "dist.ProcessGroup | None":
+    """A new gloo group over every process of the initialised default group (``None`` when there
+    is no default group or only one process). Every process must call it, in the same order."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    return dist.new_group(backend="gloo")
+
+
+class HostGroup:
+    """Host-side collectives for decisions: ``any``, ``all_equal``, ``barrier``.
+
+    ``group`` is a gloo process group (``None``: one process, everything is local).
+    """
+
+    def __init__(self, group: "dist.ProcessGroup | None" = None):
+        self.group = group
+
+    @property
+    def size(self) -> int:
+        return 1 if self.group is None else dist.get_world_size(self.group)
+
+    def any(self, flags: Sequence[bool]) -> tuple[bool, ...]:
+        """For each flag: is it true on any process? One all-reduce (MAX) for all of them."""
+        flags = tuple(bool(f) for f in flags)
+        if self.group is None:
+            return flags
+        t = torch.tensor(flags, dtype=torch.int32)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return tuple(bool(v) for v in t.tolist())
+
+    def all_equal(self, text: str) -> bool:
+        """Is ``text`` the same on every process? (Compares a 62-bit hash: one all-reduce of
+        ``[h, -h]`` with MAX gives max(h) and -min(h).) The same answer everywhere."""
+        if self.group is None:
+            return True
+        h = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") >> 2
+        t = torch.tensor([h, -h], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return int(t[0]) == -int(t[1])
+
+    def all_gather_text(self, text: str, size: int = 1024) -> list[str]:
+        """Every process's ``text`` (UTF-8, cut at ``size`` bytes), in rank order: for decisions
+        that need to know who differs (the launch checks). One all-gather of ``size`` bytes."""
+        data = text.encode()[:size]
+        if self.group is None:
+            return [data.decode(errors="replace")]
+        mine = torch.zeros(size, dtype=torch.uint8)
+        mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        everyone = [torch.empty_like(mine) for _ in range(self.size)]
+        dist.all_gather(everyone, mine, group=self.group)
+        return [bytes(t.tolist()).rstrip(b"\0").decode(errors="replace") for t in everyone]
+
+    def barrier(self) -> None:
+        if self.group is not None:
+            dist.barrier(group=self.group)
