@@ -528,7 +528,12 @@ class Checkpointer:
         with warnings.catch_warnings():  # one process: "saving in a single process" is the point
             if group is None:
                 warnings.simplefilter("ignore", UserWarning)
-            dcp.save(tensors, storage_writer=dcp.FileSystemWriter(path, sync_files=True),
+            # The tensors are already on the host (stage()): per_thread_copy_ahead=0 keeps DCP's
+            # writer on its serial loader. Its overlapping loader exists for device-to-host copies
+            # and asks the PrivateUse1 device module for streams: with torchax installed (JAX, for
+            # xla.scan_layers) that module has none and every save failed.
+            writer = dcp.FileSystemWriter(path, sync_files=True, per_thread_copy_ahead=0)
+            dcp.save(tensors, storage_writer=writer,
                      planner=self.backend.dcp_save_planner(), process_group=group, no_dist=group is None)
         # dcp.save returned: every writer finished and the coordinator (the master) wrote .metadata.
         if self.backend.is_master:
