@@ -266,7 +266,13 @@ def _load_file(path: Path, with_optimizer: bool = True) -> dict:
         ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=not with_optimizer)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: no such checkpoint") from None
-    except Exception as e:  # truncated zip, pickled code (UnpicklingError), garbage
+    except pickle.UnpicklingError as e:
+        # torch's message advises weights_only=False, i.e. running the file's code: keep only
+        # the line that names what was refused.
+        what = [ln.strip() for ln in str(e).splitlines() if "unsupported" in ln.lower()] or [_first_line(e)]
+        raise CheckpointError(f"{path}: not a loadable checkpoint (refused: {what[0][:160]}; nothing we "
+                              "load runs pickled code)") from None
+    except Exception as e:  # truncated zip, garbage
         raise CheckpointError(f"{path}: not a loadable checkpoint ({_first_line(e)})") from None
     if not isinstance(ckpt, dict) or "model" not in ckpt or "format_version" not in ckpt:
         raise CheckpointError(f"{path}: not a Nash-MHC checkpoint (missing model/format_version)")
