@@ -140,11 +140,18 @@ def tp_groups_across_hosts(device_mesh: np.ndarray, local: set[int]) -> list[lis
     return [g for g in groups if 0 < sum(d in local for d in g) < len(g)]
 
 
+def jax_usable() -> bool:
+    """Whether torch_xla can call into JAX here (jax and torchax import). torch_xla's scan needs
+    it in SPMD: 2.9 shards the scan's backward like its forward with jax's shard_alike
+    (``scan.py``, through ``xb.call_jax``). A package that is found but does not import (a
+    torchax build that wants flax) counts as absent, as torch_xla itself counts it."""
+    from torch_xla._internal.jax_workarounds import maybe_get_jax, maybe_get_torchax
+    return maybe_get_jax(log=False) is not None and maybe_get_torchax() is not None
+
+
 def scan_problem(cfg) -> str:
-    """xla.scan_layers in SPMD needs JAX: torch_xla 2.9's scan shards its backward like its
-    forward with jax's shard_alike (``scan.py``, through ``xb.call_jax``), and fails there."""
-    import importlib.util
-    if not cfg.xla.scan_layers or all(importlib.util.find_spec(m) for m in ("jax", "torchax")):
+    """xla.scan_layers in SPMD needs JAX (``jax_usable``)."""
+    if not cfg.xla.scan_layers or jax_usable():
         return ""
     return ("xla.scan_layers=true in xla.mode=spmd needs JAX and torchax (torch_xla's scan shards "
             "its backward with jax): pip install 'torch_xla[pallas]==2.9.0' torchax==0.0.7, or set "
@@ -360,7 +367,9 @@ class XLABackend(Backend):
             model.checkpoint_fn = xcp.checkpoint
         if cfg.xla.scan_layers:
             model.blocks_fn = ScanBlocks(len(model.stat_names))
-        else:   # (in a scanned block the layer's graph exists once: its Sinkhorn stays unrolled)
+        elif not self.spmd or jax_usable():
+            # Sinkhorn as one loop; not in a scanned block (the layer's graph exists once there
+            # already), nor in SPMD without JAX (scan's backward needs it): there it stays unrolled.
             loop = SinkhornLoop()
             for m in model.modules():
                 if hasattr(m, "sinkhorn_iterate"):
