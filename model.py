@@ -203,13 +203,16 @@ def sinkhorn_knopp(logits: torch.Tensor, iters: int = 20, eps: float = 1e-6, ite
         p = torch.softmax(z, dim=1) + eps  # rows: dim 1
         if iters > 0:
             p = iterate(p, iters, eps) if iterate is not None else _SinkhornIterations.apply(p, iters, eps)
-        rows = p.sum(dim=1, keepdim=True)
-        cols = p.sum(dim=0, keepdim=True)
-        total = rows.sum(dim=0, keepdim=True)
-        p = p + (1.0 - rows) / n + (1.0 - cols) / n - (n - total) / (n * n)
-        neg = (-p).clamp_min(0.0)
-        lam = (neg / (neg + 1.0 / n)).amax(dim=(0, 1), keepdim=True)
-        p = ((1.0 - lam) * p + lam / n).clamp_min(0.0)  # the clamp only takes rounding below 0
+        # the projection: with row and column deficits u = 1 - r, v = 1 - c (sum(u) = sum(v) = n - S),
+        # (1-r_i)/n + (1-c_j)/n - (n-S)/n^2 = (u_i - mean(u) + v_j) / n
+        u = 1.0 - p.sum(dim=1, keepdim=True)                                     # [n, 1, N]
+        v = 1.0 - p.sum(dim=0, keepdim=True)                                     # [1, n, N]
+        p = p + (u - u.mean(dim=0, keepdim=True) + v) / n
+        # the mix: lam = max_ij neg/(neg + 1/n) with neg = max(-p, 0), which is increasing in neg,
+        # so it is taken at the smallest entry: one reduction and the rest on [1, 1, N]
+        neg = (-p.amin(dim=(0, 1), keepdim=True)).clamp_min(0.0)
+        lam = neg / (neg + 1.0 / n)
+        p = (p + lam * (1.0 / n - p)).clamp_min(0.0)   # (1 - lam) p + lam / n; the clamp takes rounding below 0
         return p.permute(2, 0, 1).reshape(shape).contiguous()
 
 
@@ -687,6 +690,13 @@ class StreamCollapse(nn.Module):
             return stream_read(w, h)
 
 
+def _mean_diagonal(m):
+    """The mean diagonal entry of the matrices ``m [..., n, n]``: every (n+1)-th entry of the
+    flattened matrices (a strided slice; ``diagonal()`` costs XLA twice the graph)."""
+    n = m.shape[-1]
+    return m.flatten(-2)[..., :: n + 1].mean()
+
+
 class Block(nn.Module):
     """Pre-norm attention and SwiGLU sub-layers, each in a hyper-connection (or a plain residual
     when mhc_streams == 1). Returns the new residual and a detached 1-D stats tensor."""
@@ -712,10 +722,10 @@ class Block(nn.Module):
         x, coef = self.hc_attn.read(h)
         a, stats = self.attn(self.attn_norm(x), cos, sin)
         h = self.hc_attn.write(h, self.drop(a), coef)
-        res_diag = coef[1].detach().diagonal(dim1=-2, dim2=-1).mean()
+        res_diag = _mean_diagonal(coef[1].detach())
         x, coef = self.hc_ffn.read(h)
         h = self.hc_ffn.write(h, self.drop(self.ffn(self.ffn_norm(x))), coef)
-        res_diag = (res_diag + coef[1].detach().diagonal(dim1=-2, dim2=-1).mean()) / 2
+        res_diag = (res_diag + _mean_diagonal(coef[1].detach())) / 2
         return h, torch.cat([stats, res_diag.view(1)])
 
 

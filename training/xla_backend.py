@@ -243,26 +243,66 @@ class ScanBlocks:
 
 class SinkhornLoop:
     """``HyperConnection.sinkhorn_iterate`` on XLA: Sinkhorn-Knopp's ``iters`` rounds of row then
-    column normalisation as one XLA While loop (torch_xla's ``scan``; its backward, from autograd
-    of one round, is a second loop), where the model's own form is 2 x ``iters`` unrolled
-    normalisations and as many backward steps: about half of a Nash-MHC layer's HLO. The same
-    maths as ``model._SinkhornIterations``: each step ``p / (sum(p) + eps)`` over the normalised
-    dim (tests/test_model_xla.py compares the two)."""
+    column normalisation as one XLA While loop, and its backward as a second one, where the
+    model's own form is 2 x ``iters`` unrolled normalisations and as many backward steps.
 
-    _bodies: dict[float, Callable] = {}
+    The maths and the backward of ``model._SinkhornIterations``: each step is ``q = p / s`` with
+    ``s = sum(p) + eps`` over the normalised dim; the forward loop keeps only the normalisers
+    ``s`` (``[iters, n, 1, N]`` and ``[iters, 1, n, N]``) and the result, and the backward loop
+    walks the steps in reverse, ``g <- (g - sum(g * q)) / s`` and ``q <- q * s`` (undoing the
+    division recovers each step's ``q``). torch_xla's ``scan`` would differentiate one round
+    with AOTAutograd instead, which keeps every round's input and output (5x the memory of the
+    normalisers) and, in SPMD, needs JAX to shard that backward. Both loops here are torch_xla's
+    scan loop without its autograd (``scan._scan_impl_pytree``, torch_xla 2.9), so neither needs
+    JAX and the loop runs in every mode. tests/test_model_xla.py compares it with the eager form.
+    """
+
+    _bodies: dict[float, tuple[Callable, Callable]] = {}
 
     def __call__(self, p: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-        from torch_xla.experimental.scan import scan
+        return _SinkhornScan.apply(p, iters, eps)
 
-        body = self._bodies.get(eps)
-        if body is None:   # one function object per eps: scan's trace cache is keyed on it
+    @classmethod
+    def bodies(cls, eps: float) -> tuple[Callable, Callable]:
+        """The loop bodies for ``eps``: one function object each, so the scan's trace is reused."""
+        if eps not in cls._bodies:
 
-            def body(q, _):
-                q = q / (q.sum(dim=1, keepdim=True) + eps)    # rows (p is [n, n, N], rows on dim 1)
-                return q / (q.sum(dim=0, keepdim=True) + eps), None
+            def forward(q, _):                     # q [n, n, N], rows on dim 1
+                rows = q.sum(dim=1, keepdim=True) + eps
+                q = q / rows
+                cols = q.sum(dim=0, keepdim=True) + eps
+                return q / cols, (rows, cols)
 
-            self._bodies[eps] = body
-        return scan(body, p, p.new_zeros(iters), is_fn_pure=True)[0]
+            def backward(carry, norms):            # one round, last step first
+                (q, g), (rows, cols) = carry, norms
+                g = (g - (g * q).sum(dim=0, keepdim=True)) / cols
+                q = q * cols
+                g = (g - (g * q).sum(dim=1, keepdim=True)) / rows
+                return (q * rows, g), None
+
+            cls._bodies[eps] = (forward, backward)
+        return cls._bodies[eps]
+
+
+class _SinkhornScan(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, p, iters: int, eps: float):
+        from torch_xla.experimental.scan import _scan_impl_pytree
+
+        forward, _ = SinkhornLoop.bodies(eps)
+        q, (rows, cols) = _scan_impl_pytree(forward, p, p.new_zeros(iters))
+        ctx.eps = eps
+        ctx.save_for_backward(q, rows, cols)
+        return q
+
+    @staticmethod
+    def backward(ctx, g):
+        from torch_xla.experimental.scan import _scan_impl_pytree
+
+        q, rows, cols = ctx.saved_tensors
+        _, backward = SinkhornLoop.bodies(ctx.eps)
+        (_, g), _ = _scan_impl_pytree(backward, (q, g), (rows, cols), reverse=True)
+        return g, None, None
 
 
 class _DeviceBatches:
@@ -367,9 +407,8 @@ class XLABackend(Backend):
             model.checkpoint_fn = xcp.checkpoint
         if cfg.xla.scan_layers:
             model.blocks_fn = ScanBlocks(len(model.stat_names))
-        elif not self.spmd or jax_usable():
-            # Sinkhorn as one loop; not in a scanned block (the layer's graph exists once there
-            # already), nor in SPMD without JAX (scan's backward needs it): there it stays unrolled.
+        else:
+            # Sinkhorn as one loop; not in a scanned block (the layer's graph exists once there already)
             loop = SinkhornLoop()
             for m in model.modules():
                 if hasattr(m, "sinkhorn_iterate"):
