@@ -247,8 +247,12 @@ class _SinkhornIterations(torch.autograd.Function):
 
 
 def scale_gram(outs) -> torch.Tensor:
-    """``G [..., L, L]``, ``G_lm = mean_d(o_l o_m)``, from L scale outputs ``[..., D]`` (a list,
-    pair by pair: on CPU that is 4x faster than a batch of tiny [L, D] @ [D, L] products)."""
+    """``G [..., L, L]``, ``G_lm = mean_d(o_l o_m)``, of the scale outputs: a list of L tensors
+    ``[..., D]``, pair by pair (in eager PyTorch on CPU 4x faster than a batch of tiny
+    ``[L, D] @ [D, L]`` products), or one ``[..., L, D]``, in that batch of products (for a fusing
+    compiler: one op instead of L (L + 1) / 2 products and reductions in its graph)."""
+    if isinstance(outs, torch.Tensor):
+        return outs @ outs.transpose(-2, -1) / outs.shape[-1]
     L, D = len(outs), outs[0].shape[-1]
     g = [[None] * L for _ in range(L)]
     for l in range(L):
@@ -288,13 +292,14 @@ def nash_rounds(gram: torch.Tensor, start: torch.Tensor, hidden: torch.Tensor, t
     ``w = softmax((2 (G w)_l - G_ll) / tau)`` over the valid scales: the same weights without the
     shared term. No distance is formed, so none can come out negative by cancellation (the clamp
     that ``nash_distances`` needs has nothing to do here). What does not change between rounds
-    (``2 / tau``, ``hidden - G_ll / tau``) is computed once.
+    (``2 / tau``, ``hidden - G_ll / tau``) is computed once; ``G w`` is a batch of [L, L] @ [L, 1]
+    products (as fast as the broadcast product and sum in eager PyTorch, and one op in a graph).
     """
     gain = 2.0 / tau
     base = hidden.to(gram.dtype) - gram.diagonal(dim1=-2, dim2=-1) / tau
     w = start.to(gram.dtype)
     for _ in range(iters):
-        w = torch.softmax((gram * w.unsqueeze(-2)).sum(dim=-1) * gain + base, dim=-1)   # (G w)_l
+        w = torch.softmax((gram @ w.unsqueeze(-1)).squeeze(-1) * gain + base, dim=-1)   # (G w)_l
     return w
 
 
@@ -518,6 +523,8 @@ class NashAttention(nn.Module):
         """Fuse the scale outputs ``[B, H, T, D]`` into one, with stats; ``start``, ``hidden``
         ``[T, L]``: ``nash_start`` of the scales' validity."""
         outs32 = [o.float() for o in outs]
+        if _fusing(outs32[0]):  # one [L, D] tensor per token: batched products, a much smaller graph
+            outs32 = torch.stack(outs32, dim=-2)                  # [B, H, T, L, D]
         if self.aggregation == "nash":
             tau = self.log_tau.float().exp().view(-1, 1, 1)       # per head
             w = nash_rounds(scale_gram(outs32), start, hidden, tau, self.iters)   # [B, H, T, L]
@@ -525,7 +532,10 @@ class NashAttention(nn.Module):
             w = torch.softmax(self.agg_logits.float() + hidden, dim=-1)
         else:
             w = start
-        o = sum(w[..., l, None] * o_l for l, o_l in enumerate(outs32)).to(outs[0].dtype)
+        if isinstance(outs32, torch.Tensor):
+            o = (w.unsqueeze(-2) @ outs32).squeeze(-2).to(outs[0].dtype)
+        else:
+            o = sum(w[..., l, None] * o_l for l, o_l in enumerate(outs32)).to(outs[0].dtype)
         with torch.no_grad():
             entropy = -(w * w.clamp_min(1e-30).log()).sum(dim=-1).mean()
             stats = torch.cat([entropy.view(1), w.reshape(-1, self.scales).mean(dim=0)])
