@@ -274,12 +274,12 @@ def nash_distances(gram: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (gram.diagonal(dim1=-2, dim2=-1) - 2.0 * gw + (w * gw).sum(dim=-1, keepdim=True)).clamp_min(0.0)
 
 
-def nash_start(valid: torch.Tensor):
+def nash_start(valid: torch.Tensor, dtype=torch.float32):
     """The rounds' starting point from the scales' validity ``valid [..., L]`` (bool, at least one
     True per row): uniform weights over the valid scales, and the additive mask that keeps the
-    invalid ones at weight exactly 0 (0 valid, -inf invalid)."""
-    valid_f = valid.float()
-    return valid_f / valid_f.sum(dim=-1, keepdim=True), _bias(valid)
+    invalid ones at weight exactly 0 (0 valid, -inf invalid), in ``dtype``."""
+    valid_f = valid.to(dtype)
+    return valid_f / valid_f.sum(dim=-1, keepdim=True), _bias(valid).to(dtype)
 
 
 def nash_rounds(gram: torch.Tensor, start: torch.Tensor, hidden: torch.Tensor, tau, iters: int) -> torch.Tensor:
@@ -313,7 +313,7 @@ def nash_equilibrium(outputs: torch.Tensor, valid: torch.Tensor, tau, iters: int
     and the best response is ``softmax(-loss / tau)`` over the valid scales. Squared distances,
     not norms: sqrt has no gradient at 0 (all outputs equal).
     """
-    return nash_rounds(scale_gram(outputs.unbind(dim=-2)), *nash_start(valid), tau, iters)
+    return nash_rounds(scale_gram(outputs.unbind(dim=-2)), *nash_start(valid, outputs.dtype), tau, iters)
 
 
 # ----------------------------------------------------------------------------------------------
