@@ -537,8 +537,9 @@ class NashAttention(nn.Module):
         else:
             o = sum(w[..., l, None] * o_l for l, o_l in enumerate(outs32)).to(outs[0].dtype)
         with torch.no_grad():
-            entropy = -(w * w.clamp_min(1e-30).log()).sum(dim=-1).mean()
-            stats = torch.cat([entropy.view(1), w.reshape(-1, self.scales).mean(dim=0)])
+            # one mean over the tokens and heads of [entropy, w_0, ..., w_{L-1}]
+            entropy = -(w * w.clamp_min(1e-30).log()).sum(dim=-1, keepdim=True)
+            stats = torch.cat([entropy, w], dim=-1).reshape(-1, self.scales + 1).mean(dim=0)
         return o, stats
 
 
