@@ -394,8 +394,8 @@ def _bias(visible: torch.Tensor) -> torch.Tensor:
 def local_attention(q, k, v, window: int, bias=None):
     """Causal attention at full resolution over the last ``window`` keys (0: all of them).
 
-    ``q [B, H, T, D]``, ``k, v [B, Hkv, T, D]``, ``bias`` the window's mask ``attention_masks``
-    gives for this T (None: plain causal). When T > 2 * window the queries are cut into chunks of
+    ``q [B, H, T, D]``, ``k, v [B, Hkv, T, D]``, ``bias`` the mask ``attention_masks`` gives for
+    this T as ``local`` (None where it gives none: plain causal). When T > 2 * window the queries are cut into chunks of
     ``window`` that attend to their own and the previous chunk (2 * window keys, masked to the
     window), so the cost is linear in T; otherwise one product over all keys.
     """
