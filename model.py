@@ -523,7 +523,9 @@ class NashAttention(nn.Module):
         """Fuse the scale outputs ``[B, H, T, D]`` into one, with stats; ``start``, ``hidden``
         ``[T, L]``: ``nash_start`` of the scales' validity."""
         outs32 = [o.float() for o in outs]
-        if _fusing(outs32[0]):  # one [L, D] tensor per token: batched products, a much smaller graph
+        # On XLA one [L, D] tensor per token: batched products, a much smaller graph. Not under
+        # torch.compile: its step got slower with them (bench/model.py: nash-only 1.21x -> 1.54x).
+        if outs32[0].device.type == "xla":
             outs32 = torch.stack(outs32, dim=-2)                  # [B, H, T, L, D]
         if self.aggregation == "nash":
             tau = self.log_tau.float().exp().view(-1, 1, 1)       # per head
