@@ -250,8 +250,12 @@ class _SinkhornIterations(torch.autograd.Function):
 
 
 def scale_gram(outs) -> torch.Tensor:
-    """``G [..., L, L]``, ``G_lm = mean_d(o_l o_m)``, from L scale outputs ``[..., D]`` (a list,
-    pair by pair: on CPU that is 4x faster than a batch of tiny [L, D] @ [D, L] products)."""
+    """``G [..., L, L]``, ``G_lm = mean_d(o_l o_m)``, of the scale outputs: a list of L tensors
+    ``[..., D]``, pair by pair (in eager PyTorch on CPU 4x faster than a batch of tiny
+    ``[L, D] @ [D, L]`` products), or one ``[..., L, D]``, in that batch of products (for a fusing
+    compiler: one op instead of L (L + 1) / 2 products and reductions in its graph)."""
+    if isinstance(outs, torch.Tensor):
+        return outs @ outs.transpose(-2, -1) / outs.shape[-1]
     L, D = len(outs), outs[0].shape[-1]
     g = [[None] * L for _ in range(L)]
     for l in range(L):
@@ -273,24 +277,32 @@ def nash_distances(gram: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (gram.diagonal(dim1=-2, dim2=-1) - 2.0 * gw + (w * gw).sum(dim=-1, keepdim=True)).clamp_min(0.0)
 
 
-def nash_rounds(gram: torch.Tensor, valid: torch.Tensor, tau, iters: int) -> torch.Tensor:
+def nash_start(valid: torch.Tensor, dtype=torch.float32):
+    """The rounds' starting point from the scales' validity ``valid [..., L]`` (bool, at least one
+    True per row): uniform weights over the valid scales, and the additive mask that keeps the
+    invalid ones at weight exactly 0 (0 valid, -inf invalid), in ``dtype``."""
+    valid_f = valid.to(dtype)
+    return valid_f / valid_f.sum(dim=-1, keepdim=True), _bias(valid).to(dtype)
+
+
+def nash_rounds(gram: torch.Tensor, start: torch.Tensor, hidden: torch.Tensor, tau, iters: int) -> torch.Tensor:
     """The best-response rounds of ``nash_equilibrium`` on the scales' Gram matrix ``[..., L, L]``
-    (a round costs O(L^2) per token, whatever the head size).
+    from ``nash_start``'s weights and mask (a round costs O(L^2) per token, whatever the head size).
 
     A scale's mean squared distance to the consensus ``c = sum_m w_m o_m`` is
     ``|o_l - c|^2 / D = G_ll - 2 (G w)_l + w^T G w``. The last term is the same for every scale,
     and a softmax does not see a shift shared by all its entries, so a round is
     ``w = softmax((2 (G w)_l - G_ll) / tau)`` over the valid scales: the same weights without the
     shared term. No distance is formed, so none can come out negative by cancellation (the clamp
-    that ``nash_distances`` needs has nothing to do here).
+    that ``nash_distances`` needs has nothing to do here). What does not change between rounds
+    (``2 / tau``, ``hidden - G_ll / tau``) is computed once; ``G w`` is a batch of [L, L] @ [L, 1]
+    products (as fast as the broadcast product and sum in eager PyTorch, and one op in a graph).
     """
-    valid_f = valid.to(gram.dtype)
-    w = valid_f / valid_f.sum(dim=-1, keepdim=True)
-    diag = gram.diagonal(dim1=-2, dim2=-1)
-    hidden = torch.zeros_like(valid_f).masked_fill(~valid, float("-inf"))   # invalid scales: weight 0
+    gain = 2.0 / tau
+    base = hidden.to(gram.dtype) - gram.diagonal(dim1=-2, dim2=-1) / tau
+    w = start.to(gram.dtype)
     for _ in range(iters):
-        gw = (gram * w.unsqueeze(-2)).sum(dim=-1)                                # (G w)_l
-        w = torch.softmax((2.0 * gw - diag) / tau + hidden, dim=-1)
+        w = torch.softmax((gram @ w.unsqueeze(-1)).squeeze(-1) * gain + base, dim=-1)   # (G w)_l
     return w
 
 
@@ -304,7 +316,7 @@ def nash_equilibrium(outputs: torch.Tensor, valid: torch.Tensor, tau, iters: int
     and the best response is ``softmax(-loss / tau)`` over the valid scales. Squared distances,
     not norms: sqrt has no gradient at 0 (all outputs equal).
     """
-    return nash_rounds(scale_gram(outputs.unbind(dim=-2)), valid, tau, iters)
+    return nash_rounds(scale_gram(outputs.unbind(dim=-2)), *nash_start(valid, outputs.dtype), tau, iters)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -345,31 +357,54 @@ def apply_rope(x, cos, sin):
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
-def attend(q, k, v, visible=None):
-    """``softmax(q k^T / sqrt(D)) v`` over the visible keys, grouped-query.
+def attend(q, k, v, bias=None):
+    """``softmax(q k^T / sqrt(D) + bias) v``, grouped-query.
 
-    ``q [B, H, T, D]``, ``k, v [B, Hkv, S, D]``, ``visible`` a bool mask broadcastable to
-    ``[B, H, T, S]`` with at least one True per row (a fully hidden row has no defined output), or
-    None for causal attention (``S == T``) through SDPA's own causal path: no mask is built and
-    the kernels skip the blocks above the diagonal.
+    ``q [B, H, T, D]``, ``k, v [B, Hkv, S, D]``; query head h reads key/value head h // (H / Hkv).
+    ``bias`` is an additive mask broadcastable to ``[B, H, T, S]``, 0 where a key is visible and
+    -inf where it is hidden, with at least one visible key per row (a fully hidden row has no
+    defined output), or None for causal attention (``S == T``): through SDPA's own causal path
+    in PyTorch, where the kernels skip the blocks above the diagonal.
+
+    On an XLA device SDPA is no kernel but PyTorch's composite math path (scale q and k, turn the
+    mask, repeat every key/value head G times, a softmax that zeroes fully hidden rows), so there
+    the same formula is written out: the queries of a key/value head are one batch of G * T rows,
+    which keeps the graph of every attention call small (about a third of SDPA's).
     """
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, is_causal=visible is None,
-                                          enable_gqa=q.shape[1] != k.shape[1])
+    if q.device.type != "xla":
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=None if bias is None else bias.to(q.dtype),
+                                              is_causal=bias is None, enable_gqa=q.shape[1] != k.shape[1])
+    B, H, T, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    if bias is None:
+        bias = causal_bias(T, q.device)
+    s = (q * D ** -0.5).reshape(B, Hkv, H // Hkv * T, D) @ k.transpose(-2, -1)
+    p = torch.softmax(s.view(B, H, T, S) + bias, dim=-1).to(v.dtype)
+    return (p.view(B, Hkv, H // Hkv * T, S) @ v).view(B, H, T, D)
 
 
-def local_attention(q, k, v, window: int):
+def causal_bias(T: int, device=None) -> torch.Tensor:
+    """``[T, T]`` additive causal mask: 0 on and below the diagonal, -inf above it (fp32)."""
+    t = torch.arange(T, device=device)
+    return _bias(t[None, :] <= t[:, None])
+
+
+def _bias(visible: torch.Tensor) -> torch.Tensor:
+    """A bool visibility mask as an additive one: 0 where visible, -inf where hidden (fp32)."""
+    return torch.zeros(visible.shape, device=visible.device).masked_fill(~visible, float("-inf"))
+
+
+def local_attention(q, k, v, window: int, bias=None):
     """Causal attention at full resolution over the last ``window`` keys (0: all of them).
 
-    ``q [B, H, T, D]``, ``k, v [B, Hkv, T, D]``. When T > 2 * window the queries are cut into
-    chunks of ``window`` that attend to their own and the previous chunk (2 * window keys, masked
-    to the window), so the cost is linear in T; otherwise one dense masked product.
+    ``q [B, H, T, D]``, ``k, v [B, Hkv, T, D]``, ``bias`` the mask ``attention_masks`` gives for
+    this T as ``local`` (None where it gives none: plain causal). When T > 2 * window the queries are cut into chunks of
+    ``window`` that attend to their own and the previous chunk (2 * window keys, masked to the
+    window), so the cost is linear in T; otherwise one product over all keys.
     """
     B, H, T, D = q.shape
-    t = torch.arange(T, device=q.device)
-    if window == 0 or T <= window:
-        return attend(q, k, v)
-    if T <= 2 * window:
-        return attend(q, k, v, (t[None, :] <= t[:, None]) & (t[:, None] - t[None, :] < window))
+    if window == 0 or T <= 2 * window:
+        return attend(q, k, v, bias)
     W, Hkv = window, k.shape[1]
     nc = -(-T // W)
     pad = nc * W - T
@@ -379,15 +414,46 @@ def local_attention(q, k, v, window: int):
     def chunks(x):  # [B, h, nc * W, D] -> [B * nc, h, W, D]
         return x.unflatten(2, (nc, W)).transpose(1, 2).reshape(B * nc, x.shape[1], W, D)
 
-    # keys of chunk c: chunk c - 1 (zeros for c = 0, hidden below) then chunk c
+    # keys of chunk c: chunk c - 1 (zeros for c = 0, hidden by the mask) then chunk c
     kk, vv = (torch.cat([chunks(F.pad(x, (0, 0, W, 0))[:, :, :nc * W]), chunks(x)], dim=2) for x in (k, v))
-    i = torch.arange(W, device=q.device)[:, None]             # query offset in its chunk
-    j = torch.arange(2 * W, device=q.device)[None, :]         # key offset from the previous chunk's start
-    c = torch.arange(nc, device=q.device)[:, None, None]
-    visible = (j > i) & (j <= i + W) & ((c > 0) | (j >= W))   # 0 <= t - s < W and s >= 0
-    visible = visible[None, :, None].expand(B, nc, 1, W, 2 * W).reshape(B * nc, 1, W, 2 * W)
-    out = attend(chunks(q), kk, vv, visible)                  # [B * nc, H, W, D]
+    bias = bias.expand(B, nc, 1, W, 2 * W).reshape(B * nc, 1, W, 2 * W)
+    out = attend(chunks(q), kk, vv, bias)                     # [B * nc, H, W, D]
     return out.view(B, nc, H, W, D).transpose(1, 2).reshape(B, H, nc * W, D)[:, :, :T]
+
+
+def attention_masks(cfg: ModelConfig, T: int, device=None) -> dict[str, torch.Tensor]:
+    """What NashAttention needs at length T besides its input, the same in every layer: built once
+    per forward (``NashMHC.trunk``) and handed to every block, so a traced graph holds it once,
+    not once per layer. Additive masks are fp32, 0 where a key is visible and -inf where hidden.
+
+    ``local``: scale 0's window: ``[nc, 1, W, 2 W]`` over the chunks when T > 2 W (query i of
+        chunk c sees key j of chunks c - 1 and c iff 0 <= t - s < W and s >= 0), ``[T, T]`` when
+        W < T <= 2 W; absent when scale 0 is plain causal (no window, or T <= W).
+    ``scale1`` ... ``scale{L-1}``: ``[T, T / r**l]``: query t sees block j iff it is complete,
+        (j+1) r**l - 1 <= t. A query with no complete block (t < r**l - 1) sees block 0 instead:
+        never a fully hidden row, so its output is finite on every backend, and the aggregation
+        gives it weight exactly 0 (0 x finite = 0: nothing of it reaches the result or flows back).
+    ``start``, ``hidden`` (L > 1): ``nash_start`` of the scales' validity ``[T, L]``.
+    """
+    W, t = cfg.nash_window, torch.arange(T, device=device)
+    masks = {}
+    if W and W < T <= 2 * W:
+        masks["local"] = _bias((t[None, :] <= t[:, None]) & (t[:, None] - t[None, :] < W))
+    elif W and T > 2 * W:
+        i = torch.arange(W, device=device)[:, None]               # query offset in its chunk
+        j = torch.arange(2 * W, device=device)[None, :]           # key offset from the previous chunk's start
+        c = torch.arange(-(-T // W), device=device)[:, None, None]
+        masks["local"] = _bias((j > i) & (j <= i + W) & ((c > 0) | (j >= W))).unsqueeze(1)
+    if cfg.nash_scales > 1:
+        valid = [torch.ones_like(t, dtype=torch.bool)]
+        for l in range(1, cfg.nash_scales):
+            b = cfg.nash_compression ** l
+            j = torch.arange(T // b, device=device)
+            valid.append(t >= b - 1)
+            visible = ((j[None, :] + 1) * b - 1 <= t[:, None]) | ((j[None, :] == 0) & ~valid[-1][:, None])
+            masks[f"scale{l}"] = _bias(visible)
+        masks["start"], masks["hidden"] = nash_start(torch.stack(valid, dim=-1))
+    return masks
 
 
 class NashAttention(nn.Module):
@@ -401,6 +467,7 @@ class NashAttention(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        self.cfg = cfg
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.scales, self.ratio, self.window = cfg.nash_scales, cfg.nash_compression, cfg.nash_window
         self.iters, self.aggregation, self.tau_init = cfg.nash_iters, cfg.aggregation, cfg.nash_tau
@@ -436,46 +503,48 @@ class NashAttention(nn.Module):
         w = torch.softmax(self.pool_logits[l - 1].float(), dim=0).to(x.dtype)
         return (x * w[:, None]).sum(dim=3)
 
-    def forward(self, x, cos, sin):
-        """``x [B, T, C]`` -> (``[B, T, C]``, detached stats: Nash entropy, mean weight per scale)."""
+    def forward(self, x, cos, sin, masks=None):
+        """``x [B, T, C]`` -> (``[B, T, C]``, detached stats: Nash entropy, mean weight per scale).
+        ``masks``: ``attention_masks`` for this T (built here when not given)."""
         B, T, _ = x.shape
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
+        if masks is None:
+            masks = attention_masks(self.cfg, T, x.device)
         q = apply_rope(self.wq(x).view(B, T, H, D), cos, sin).transpose(1, 2)     # [B, H, T, D]
         k = apply_rope(self.wk(x).view(B, T, Hkv, D), cos, sin).transpose(1, 2)   # [B, Hkv, T, D]
         v = self.wv(x).view(B, T, Hkv, D).transpose(1, 2)
-        outs = [local_attention(q, k, v, self.window)]
+        outs = [local_attention(q, k, v, self.window, masks.get("local"))]
         if self.scales == 1:
             o, stats = outs[0], x.new_zeros(0, dtype=torch.float32)
         else:
-            t = torch.arange(T, device=x.device)
-            valid = [torch.ones_like(t, dtype=torch.bool)]
             for l in range(1, self.scales):
-                b = self.ratio ** l
-                j = torch.arange(T // b, device=x.device)
-                visible = (j[None, :] + 1) * b - 1 <= t[:, None]      # block j complete at query t
-                valid.append(t >= b - 1)
-                # A query with no complete block looks at block 0: never a fully masked row, so
-                # its output is finite on every backend, and the aggregation gives it weight
-                # exactly 0, so nothing of it reaches the result or flows back (0 x finite = 0).
-                visible = visible | ((j[None, :] == 0) & ~valid[-1][:, None])
-                outs.append(attend(q, self.pool(k, l), self.pool(v, l), visible))
-            o, stats = self.aggregate(outs, torch.stack(valid, dim=-1))
+                outs.append(attend(q, self.pool(k, l), self.pool(v, l), masks[f"scale{l}"]))
+            o, stats = self.aggregate(outs, masks["start"], masks["hidden"])
         return self.wo(o.transpose(1, 2).reshape(B, T, H * D)), stats
 
-    def aggregate(self, outs, valid):
-        """Fuse the scale outputs ``[B, H, T, D]`` (``valid [T, L]``) into one, with stats."""
+    def aggregate(self, outs, start, hidden):
+        """Fuse the scale outputs ``[B, H, T, D]`` into one, with stats; ``start``, ``hidden``
+        ``[T, L]``: ``nash_start`` of the scales' validity."""
         outs32 = [o.float() for o in outs]
+        # On XLA one [L, D] tensor per token: batched products, a much smaller graph. Not under
+        # torch.compile: its step got slower with them (bench/model.py: nash-only 1.21x -> 1.54x).
+        if outs32[0].device.type == "xla":
+            outs32 = torch.stack(outs32, dim=-2)                  # [B, H, T, L, D]
         if self.aggregation == "nash":
             tau = self.log_tau.float().exp().view(-1, 1, 1)       # per head
-            w = nash_rounds(scale_gram(outs32), valid, tau, self.iters)   # [B, H, T, L]
+            w = nash_rounds(scale_gram(outs32), start, hidden, tau, self.iters)   # [B, H, T, L]
         elif self.aggregation == "convex":
-            w = torch.softmax(self.agg_logits.float().masked_fill(~valid, float("-inf")), dim=-1)
+            w = torch.softmax(self.agg_logits.float() + hidden, dim=-1)
         else:
-            w = valid.float() / valid.sum(dim=-1, keepdim=True)
-        o = sum(w[..., l, None] * o_l for l, o_l in enumerate(outs32)).to(outs[0].dtype)
+            w = start
+        if isinstance(outs32, torch.Tensor):
+            o = (w.unsqueeze(-2) @ outs32).squeeze(-2).to(outs[0].dtype)
+        else:
+            o = sum(w[..., l, None] * o_l for l, o_l in enumerate(outs32)).to(outs[0].dtype)
         with torch.no_grad():
-            entropy = -(w * w.clamp_min(1e-30).log()).sum(dim=-1).mean()
-            stats = torch.cat([entropy.view(1), w.reshape(-1, self.scales).mean(dim=0)])
+            # one mean over the tokens and heads of [entropy, w_0, ..., w_{L-1}]
+            entropy = -(w * w.clamp_min(1e-30).log()).sum(dim=-1, keepdim=True)
+            stats = torch.cat([entropy, w], dim=-1).reshape(-1, self.scales + 1).mean(dim=0)
         return o, stats
 
 
@@ -713,14 +782,16 @@ class Block(nn.Module):
             self.hc_attn = HyperConnection(cfg, favoured=(2 * layer) % cfg.mhc_streams)
             self.hc_ffn = HyperConnection(cfg, favoured=(2 * layer + 1) % cfg.mhc_streams)
 
-    def forward(self, h, cos, sin):
+    def forward(self, h, cos, sin, masks=None):
+        """``h`` the residual (``[B, T, C]``, or ``[B, T, n, C]`` with n streams), ``cos, sin`` the
+        rotary tables ``[T, D / 2]``, ``masks`` the ``attention_masks`` for T (None: built here)."""
         if self.streams == 1:
-            a, stats = self.attn(self.attn_norm(h), cos, sin)
+            a, stats = self.attn(self.attn_norm(h), cos, sin, masks)
             h = h + self.drop(a)
             h = h + self.drop(self.ffn(self.ffn_norm(h)))
             return h, stats
         x, coef = self.hc_attn.read(h)
-        a, stats = self.attn(self.attn_norm(x), cos, sin)
+        a, stats = self.attn(self.attn_norm(x), cos, sin, masks)
         h = self.hc_attn.write(h, self.drop(a), coef)
         res_diag = _mean_diagonal(coef[1].detach())
         x, coef = self.hc_ffn.read(h)
@@ -749,7 +820,7 @@ class NashMHC(nn.Module):
         # The XLA backend may swap in torch_xla's own checkpoint; used only when training with grad.
         self.checkpoint_fn = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
         # The XLA backend may run all blocks as one compiled loop body (torch_xla's scan):
-        # blocks_fn(blocks, h, cos, sin, checkpoint) -> (h, the blocks' mean stats).
+        # blocks_fn(blocks, h, cos, sin, masks, checkpoint) -> (h, the blocks' mean stats).
         self.blocks_fn = None
         names = []
         if cfg.nash_scales > 1:
@@ -810,16 +881,17 @@ class NashMHC(nn.Module):
         if Tp != T:  # right padding cannot change earlier outputs of a causal model
             idx = F.pad(idx, (0, Tp - T))
         cos, sin = self.rope_cos[:Tp], self.rope_sin[:Tp]
+        masks = attention_masks(cfg, Tp, idx.device)  # once for all the blocks
         h = self.drop(self.tok_emb(idx))
         if cfg.mhc_streams > 1:
             h = h.unsqueeze(2).expand(B, Tp, cfg.mhc_streams, cfg.d_model).to(STREAM_DTYPES[cfg.stream_dtype]).contiguous()
         checkpoint = cfg.activation_checkpointing and self.training and torch.is_grad_enabled()
         if self.blocks_fn is not None:
-            h, stats = self.blocks_fn(self.blocks, h, cos, sin, checkpoint)
+            h, stats = self.blocks_fn(self.blocks, h, cos, sin, masks, checkpoint)
         else:
             stats = []
             for block in self.blocks:
-                h, s = self.checkpoint_fn(block, h, cos, sin) if checkpoint else block(h, cos, sin)
+                h, s = self.checkpoint_fn(block, h, cos, sin, masks) if checkpoint else block(h, cos, sin, masks)
                 stats.append(s)
             stats = torch.stack(stats).mean(dim=0)
         if self.mhc_out is not None:

@@ -36,6 +36,11 @@ configs = {
                          aggregation="convex"), (False,)),
     # the XLA backend's Sinkhorn as one loop (training.xla_backend.SinkhornLoop), against eager CPU
     "sinkhorn-loop": (dict(nash_window=8, nash_scales=3, nash_compression=2), (False,)),
+    # model.attend's written-out form (XLA) against SDPA (CPU), on the other masks: the window's
+    # chunks with right padding (48 tokens, window 5) and its dense form (48 tokens, window 32)
+    "window-chunked-pad": (dict(mhc_streams=1, nash_window=5, nash_scales=3, nash_compression=2,
+                                aggregation="mean"), (False,)),
+    "window-dense": (dict(mhc_streams=1, nash_window=32, nash_scales=2, nash_compression=2), (False,)),
 }
 for name, (kw, precisions) in configs.items():
     cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, max_seq_len=64,
@@ -90,7 +95,7 @@ def report():
     return json.loads(lines[-1][len("REPORT "):])
 
 
-@pytest.mark.parametrize("name", ["nash-mhc", "lite-convex", "sinkhorn-loop"])
+@pytest.mark.parametrize("name", ["nash-mhc", "lite-convex", "sinkhorn-loop", "window-chunked-pad", "window-dense"])
 def test_forward_backward_without_fallbacks_matches_cpu(report, name):
     r = report[name]
     assert r["tied"]  # moving to the XLA device keeps lm_head tied to tok_emb

@@ -198,8 +198,8 @@ class ScanBlocks:
     This is what torch_xla's ``scan_layers`` does (stack every block's parameters, call the first
     block on each slice with ``torch.func.functional_call``, ``scan`` over the slices), written
     against ``scan`` itself because a Block is not a carry-to-carry layer: it also takes the
-    rotary tables, which travel as per-layer inputs that are not differentiated (in the carry
-    they would be), and it returns detached stats, which are summed in the carry (``scan``'s
+    rotary tables and the attention masks, which travel as per-layer inputs that are not
+    differentiated (in the carry they would be), and it returns detached stats, which are summed in the carry (``scan``'s
     stacked outputs must be differentiable). The scanned function is cached per train/eval mode,
     checkpointing, grad and autocast state, so ``scan``'s trace cache never mixes them.
     """
@@ -217,21 +217,21 @@ class ScanBlocks:
 
             def fn(carry, x):
                 h, total = carry if with_stats else (carry, None)
-                weights, cos, sin = x
-                h, stats = torch.func.functional_call(block, weights, (h, cos, sin), strict=True)
+                weights, cos, sin, masks = x
+                h, stats = torch.func.functional_call(block, weights, (h, cos, sin, masks), strict=True)
                 return ((h, total + stats) if with_stats else h), None
 
             self._fns[key] = fn
         return fn
 
-    def __call__(self, blocks, h, cos, sin, checkpoint: bool):
+    def __call__(self, blocks, h, cos, sin, masks, checkpoint: bool):
         from functorch.compile import default_partition
         from torch_xla.experimental.scan import scan
 
         n = len(blocks)
         per_block = [dict(itertools.chain(b.named_parameters(), b.named_buffers())) for b in blocks]
         weights = {k: torch.stack([w[k] for w in per_block]) for k in per_block[0]}
-        xs = (weights, cos.expand(n, *cos.shape), sin.expand(n, *sin.shape))
+        xs = (weights, *(x.expand(n, *x.shape) for x in (cos, sin)), {k: m.expand(n, *m.shape) for k, m in masks.items()})
         carry = (h, h.new_zeros(self.n_stats, dtype=torch.float32)) if self.n_stats else h
         partition = _recompute_all_partition if checkpoint else default_partition
         carry, _ = scan(self._layer_fn(blocks[0], checkpoint), carry, xs, partition_fn=partition,
