@@ -175,12 +175,10 @@ class Backend:
         with keep_hyperparameters(optimizer):
             set_optimizer_state_dict(raw, optimizer, optimizer_state_by_name(raw, optimizer, optim_state))
 
-    def load_sharded_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, path: Path,
-                           param_groups: list, reader) -> None:
-        """Read a DCP directory into the live state, each process its own part (any mesh or
-        world size: DCP reshards), then hand it to the model and optimiser."""
+    def _dcp_load(self, model: nn.Module, optimizer: torch.optim.Optimizer, reader) -> dict:
+        """DCP-load this process's part of the model and optimiser state (as ``checkpoint_state``
+        lays it out) through this backend's planner and group; returns the filled state."""
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import set_state_dict
         state = self.checkpoint_state(model, optimizer)
         target = {"model": state["model"], "optimizer": {"state": state["optimizer"]["state"]}}
         with warnings.catch_warnings():  # one process: "loading in a single process" is the point
@@ -188,6 +186,14 @@ class Backend:
                 warnings.simplefilter("ignore", UserWarning)
             dcp.load(target, storage_reader=reader, planner=self.dcp_load_planner(),
                      process_group=self.ckpt_group, no_dist=self.ckpt_group is None)
+        return target
+
+    def load_sharded_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, path: Path,
+                           param_groups: list, reader) -> None:
+        """Read a DCP directory into the live state, each process its own part (any mesh or
+        world size: DCP reshards), then hand it to the model and optimiser."""
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+        target = self._dcp_load(model, optimizer, reader)
         with keep_hyperparameters(optimizer):
             set_state_dict(self.unwrap(model), optimizer, model_state_dict=target["model"],
                            optim_state_dict={"state": target["optimizer"]["state"],

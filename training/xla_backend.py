@@ -548,19 +548,11 @@ class XLABackend(Backend):
     def load_sharded_state(self, model, optimizer, path, param_groups, reader) -> None:
         """SPMDLoadPlanner loads each process's shards in place, into the parameters and the
         optimiser state already placed and sharded for this mesh (any mesh: DCP reshards)."""
-        import warnings
-        import torch.distributed.checkpoint as dcp
         # Materialise the freshly created optimiser state first: the planner reads each tensor's
         # shard layout from its device data (a pending zeros_like has none yet).
         torch_xla.sync()
         xm.wait_device_ops()
-        state = self.checkpoint_state(model, optimizer)
-        target = {"model": state["model"], "optimizer": {"state": state["optimizer"]["state"]}}
-        with warnings.catch_warnings():  # one process: "loading in a single process" is the point
-            if self.ckpt_group is None:
-                warnings.simplefilter("ignore", UserWarning)
-            dcp.load(target, storage_reader=reader, planner=self.dcp_load_planner(),
-                     process_group=self.ckpt_group, no_dist=self.ckpt_group is None)
+        self._dcp_load(model, optimizer, reader)
 
     # -- reporting ---------------------------------------------------------------------------
     @property
