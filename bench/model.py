@@ -110,14 +110,19 @@ def reset_peak_rss() -> bool:
         return False
 
 
-def interleaved(steps: dict, warmup: int, repeats: int) -> dict:
-    """Call every step once per round, in turn; median wall and process-CPU seconds after ``warmup``."""
+def interleaved(steps: dict, warmup: int, repeats: int, sync=None) -> dict:
+    """Call every step once per round, in turn; median wall and process-CPU seconds after ``warmup``.
+    ``sync`` (e.g. torch.cuda.synchronize) brackets every call."""
     wall = {k: [] for k in steps}
     cpu = {k: [] for k in steps}
     for r in range(warmup + repeats):
         for k, fn in steps.items():
+            if sync:
+                sync()
             w0, c0 = time.perf_counter(), time.process_time()
             fn()
+            if sync:
+                sync()
             if r >= warmup:
                 wall[k].append(time.perf_counter() - w0)
                 cpu[k].append(time.process_time() - c0)

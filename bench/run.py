@@ -71,7 +71,7 @@ elif str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench.model import VARIANTS as MODEL_VARIANTS  # noqa: E402
-from bench.model import time_variants, write_json  # noqa: E402
+from bench.model import interleaved, time_variants, write_json  # noqa: E402
 
 SECTIONS = ("learning", "speed", "attention", "data", "xla")
 VARIANTS = ("baseline", "nash-mhc", "mhc-only", "nash-only")   # the baseline first: the reference
@@ -173,26 +173,6 @@ def read_metrics(run_dir: Path) -> list[dict]:
     if not path.is_file():
         raise BenchError(f"{path} was not written")
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def interleaved_medians(fns: dict, warmup: int, repeats: int, sync=None) -> dict:
-    """Call every function once per round, in turn; the median wall and process-CPU seconds of the
-    rounds after ``warmup``. ``sync`` (e.g. torch.cuda.synchronize) brackets every call."""
-    wall = {k: [] for k in fns}
-    cpu = {k: [] for k in fns}
-    for r in range(warmup + repeats):
-        for k, fn in fns.items():
-            if sync:
-                sync()
-            w0, c0 = time.perf_counter(), time.process_time()
-            fn()
-            if sync:
-                sync()
-            if r >= warmup:
-                wall[k].append(time.perf_counter() - w0)
-                cpu[k].append(time.process_time() - c0)
-    return {k: {"wall_s": statistics.median(wall[k]), "cpu_s": statistics.median(cpu[k]), "wall_all": wall[k]}
-            for k in fns}
 
 
 def crossover(lengths: list[int], ratios: list[float]) -> dict:
@@ -525,7 +505,7 @@ def time_train_steps(model_cfgs: dict, batch: int, seq: int, device: str, precis
             torch.cuda.empty_cache()
             continue
         fns[name] = step
-    for name, r in interleaved_medians(fns, 0, repeats, sync).items():
+    for name, r in interleaved(fns, 0, repeats, sync).items():
         tps = batch * seq / r["wall_s"]
         out[name].update(step_s=r["wall_s"], tokens_per_sec=tps,
                          mfu=tps * out[name]["flops_per_token"] / peak if peak else None)
@@ -584,7 +564,7 @@ def attention(args, budget: dict) -> dict:
 
             fns[kind] = step
         print(f"  attention: T = {T} ...", flush=True)
-        res = interleaved_medians(fns, b["warmup"], b["repeats"])
+        res = interleaved(fns, b["warmup"], b["repeats"])
         rows.append({"T": T, "full_s": res["full"]["wall_s"], "nash_s": res["nash"]["wall_s"],
                      "full_cpu_s": res["full"]["cpu_s"], "nash_cpu_s": res["nash"]["cpu_s"],
                      "ratio": res["nash"]["wall_s"] / res["full"]["wall_s"]})
