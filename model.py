@@ -689,6 +689,9 @@ class HyperConnection(nn.Module):
         self.b_post = nn.Parameter(torch.empty(n))
         self.b_res = nn.Parameter(torch.empty(self.n_res))      # flat: every no-decay parameter is < 2-D
         self.sinkhorn_iterate = None   # sinkhorn_knopp's ``iterate``: the XLA backend may set it
+        # alpha spread over the 2n + n_res logits (row k: 1 on gate k's logits), so the three gates
+        # and biases are one multiply-add: a third of the ops, and of their gradient reductions
+        self.register_buffer("gate_spread", torch.empty(3, 2 * n + self.n_res), persistent=False)
         if self.lite:
             self.register_buffer("perms", torch.empty(self.n_res, n, n), persistent=False)
 
@@ -705,17 +708,25 @@ class HyperConnection(nn.Module):
         else:
             eye = torch.eye(n, device=self.b_res.device).flatten()
             self.b_res.copy_((1.0 - eye) * MHC_RES_OFF_DIAG_BIAS)
+        self.init_buffers()
+
+    @torch.no_grad()
+    def init_buffers(self):
+        """The non-persistent buffers, which follow from the shape: ``gate_spread`` and the lite permutations."""
+        sizes = torch.tensor([self.n, self.n, self.n_res], device=self.gate_spread.device)
+        self.gate_spread.copy_(torch.eye(3, device=sizes.device).repeat_interleave(sizes, dim=1))
+        if self.lite:
+            self.perms.copy_(permutation_matrices(self.n, device=self.perms.device))
 
     def coefficients(self, h):
         """fp32 ``H_pre [B, T, n]``, ``H_post [B, T, n]``, ``H_res [B, T, n, n]`` for ``h [B, T, n, C]``."""
         n = self.n
         with torch.autocast(device_type=h.device.type, enabled=False):
             z = normed_projection(h.float().flatten(-2), self.phi.weight.float(), self.eps)
-            pre, post, res = z.split([n, n, self.n_res], dim=-1)
-            a = self.alpha.float()
-            h_pre = torch.sigmoid(a[0] * pre + self.b_pre.float())
-            h_post = 2.0 * torch.sigmoid(a[1] * post + self.b_post.float())
-            res = a[2] * res + self.b_res.float()
+            bias = torch.cat([self.b_pre, self.b_post, self.b_res]).float()
+            z = z * (self.alpha.float() @ self.gate_spread.float()) + bias
+            gates = torch.sigmoid(z[..., : 2 * n])
+            h_pre, h_post, res = gates[..., :n], 2.0 * gates[..., n:], z[..., 2 * n:]
             if self.lite:
                 h_res = torch.einsum("btk,kij->btij", torch.softmax(res, dim=-1), self.perms.float())
             else:
@@ -859,7 +870,7 @@ class NashMHC(nn.Module):
 
     @torch.no_grad()
     def init_buffers(self):
-        """(Re)compute the non-persistent buffers: the rotary tables and the mHC-lite permutations.
+        """(Re)compute the non-persistent buffers: the rotary tables and the hyper-connections' own.
         They follow from the config and are never saved, so a model whose parameters were loaded
         into a meta-built module (``load_state_dict(assign=True)``, transformers' from_pretrained)
         calls this and nothing else."""
@@ -868,8 +879,8 @@ class NashMHC(nn.Module):
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
         for m in self.modules():
-            if isinstance(m, HyperConnection) and m.lite:
-                m.perms.copy_(permutation_matrices(m.n, device=m.perms.device))
+            if isinstance(m, HyperConnection):
+                m.init_buffers()
 
     def trunk(self, idx):
         """Final-normed hidden states ``[B, T, C]`` and the blocks' mean stats."""
