@@ -713,8 +713,8 @@ class HyperConnection(nn.Module):
     @torch.no_grad()
     def init_buffers(self):
         """The non-persistent buffers, which follow from the shape: ``gate_spread`` and the lite permutations."""
-        sizes = torch.tensor([self.n, self.n, self.n_res], device=self.gate_spread.device)
-        self.gate_spread.copy_(torch.eye(3, device=sizes.device).repeat_interleave(sizes, dim=1))
+        sizes = torch.tensor([self.n, self.n, self.n_res], device="cpu")   # also under torch.device("meta")
+        self.gate_spread.copy_(torch.eye(3, device="cpu").repeat_interleave(sizes, dim=1))
         if self.lite:
             self.perms.copy_(permutation_matrices(self.n, device=self.perms.device))
 
