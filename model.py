@@ -713,8 +713,9 @@ class HyperConnection(nn.Module):
     @torch.no_grad()
     def init_buffers(self):
         """The non-persistent buffers, which follow from the shape: ``gate_spread`` and the lite permutations."""
-        sizes = torch.tensor([self.n, self.n, self.n_res], device="cpu")   # also under torch.device("meta")
-        self.gate_spread.copy_(torch.eye(3, device="cpu").repeat_interleave(sizes, dim=1))
+        gate_of = [0] * self.n + [1] * self.n + [2] * self.n_res
+        spread = [[float(g == k) for g in gate_of] for k in range(3)]
+        self.gate_spread.copy_(torch.tensor(spread, device=self.gate_spread.device))
         if self.lite:
             self.perms.copy_(permutation_matrices(self.n, device=self.perms.device))
 
