@@ -203,16 +203,16 @@ def sinkhorn_knopp(logits: torch.Tensor, iters: int = 20, eps: float = 1e-6, ite
         p = torch.softmax(z, dim=1) + eps  # rows: dim 1
         if iters > 0:
             p = iterate(p, iters, eps) if iterate is not None else _SinkhornIterations.apply(p, iters, eps)
-        # the projection: with row and column deficits u = 1 - r, v = 1 - c (sum(u) = sum(v) = n - S),
-        # (1-r_i)/n + (1-c_j)/n - (n-S)/n^2 = (u_i - mean(u) + v_j) / n
-        u = 1.0 - p.sum(dim=1, keepdim=True)                                     # [n, 1, N]
-        v = 1.0 - p.sum(dim=0, keepdim=True)                                     # [1, n, N]
-        p = p + (u - u.mean(dim=0, keepdim=True) + v) / n
+        # the projection: with row and column sums r, c and total S = sum(r), it adds
+        # (1-r_i)/n + (1-c_j)/n - (n-S)/n^2 = (1 + S/n - r_i - c_j) / n
+        r, c = p.sum(dim=1, keepdim=True), p.sum(dim=0, keepdim=True)        # [n, 1, N], [1, n, N]
+        p = p + (1.0 + r.sum(dim=0, keepdim=True) / n - r - c) / n
         # the mix: lam = max_ij neg/(neg + 1/n) with neg = max(-p, 0), which is increasing in neg,
-        # so it is taken at the smallest entry: one reduction and the rest on [1, 1, N]
+        # so it is taken at the smallest entry (one reduction, the rest on [1, 1, N]); then
+        # (1 - lam) p + lam/n = (p + neg) / (1 + n neg), where p + neg >= 0 holds exactly in
+        # floating point (p_ij - min(p) >= 0: rounding is monotone), so no clamp is needed
         neg = (-p.amin(dim=(0, 1), keepdim=True)).clamp_min(0.0)
-        lam = neg / (neg + 1.0 / n)
-        p = (p + lam * (1.0 / n - p)).clamp_min(0.0)   # (1 - lam) p + lam / n; the clamp takes rounding below 0
+        p = (p + neg) / (1.0 + n * neg)
         return p.permute(2, 0, 1).reshape(shape).contiguous()
 
 
