@@ -414,11 +414,13 @@ def local_attention(q, k, v, window: int, bias=None):
     def chunks(x):  # [B, h, nc * W, D] -> [B * nc, h, W, D]
         return x.unflatten(2, (nc, W)).transpose(1, 2).reshape(B * nc, x.shape[1], W, D)
 
-    # keys of chunk c: chunk c - 1 (zeros for c = 0, hidden by the mask) then chunk c
-    kk, vv = (torch.cat([chunks(F.pad(x, (0, 0, W, 0))[:, :, :nc * W]), chunks(x)], dim=2) for x in (k, v))
+    # keys of chunk c: chunk c - 1 (zeros for c = 0, hidden by the mask) then chunk c; the shift
+    # by one chunk is one pad (W rows in front, W cut at the end), whose gradient is one pad too
+    kk, vv = (torch.cat([chunks(F.pad(x, (0, 0, W, -W))), chunks(x)], dim=2) for x in (k, v))
     bias = bias.expand(B, nc, 1, W, 2 * W).reshape(B * nc, 1, W, 2 * W)
     out = attend(chunks(q), kk, vv, bias)                     # [B * nc, H, W, D]
-    return out.view(B, nc, H, W, D).transpose(1, 2).reshape(B, H, nc * W, D)[:, :, :T]
+    out = out.view(B, nc, H, W, D).transpose(1, 2).reshape(B, H, nc * W, D)
+    return out[:, :, :T] if pad else out
 
 
 def attention_masks(cfg: ModelConfig, T: int, device=None) -> dict[str, torch.Tensor]:
@@ -726,8 +728,9 @@ class HyperConnection(nn.Module):
             z = normed_projection(h.float().flatten(-2), self.phi.weight.float(), self.eps)
             bias = torch.cat([self.b_pre, self.b_post, self.b_res]).float()
             z = z * (self.alpha.float() @ self.gate_spread.float()) + bias
-            gates = torch.sigmoid(z[..., : 2 * n])
-            h_pre, h_post, res = gates[..., :n], 2.0 * gates[..., n:], z[..., 2 * n:]
+            gates, res = z.split([2 * n, self.n_res], dim=-1)   # split: its gradient is one concatenation
+            h_pre, h_post = torch.sigmoid(gates).split([n, n], dim=-1)
+            h_post = 2.0 * h_post
             if self.lite:
                 h_res = torch.einsum("btk,kij->btij", torch.softmax(res, dim=-1), self.perms.float())
             else:
