@@ -203,16 +203,16 @@ def sinkhorn_knopp(logits: torch.Tensor, iters: int = 20, eps: float = 1e-6, ite
         p = torch.softmax(z, dim=1) + eps  # rows: dim 1
         if iters > 0:
             p = iterate(p, iters, eps) if iterate is not None else _SinkhornIterations.apply(p, iters, eps)
-        # the projection: with row and column deficits u = 1 - r, v = 1 - c (sum(u) = sum(v) = n - S),
-        # (1-r_i)/n + (1-c_j)/n - (n-S)/n^2 = (u_i - mean(u) + v_j) / n
-        u = 1.0 - p.sum(dim=1, keepdim=True)                                     # [n, 1, N]
-        v = 1.0 - p.sum(dim=0, keepdim=True)                                     # [1, n, N]
-        p = p + (u - u.mean(dim=0, keepdim=True) + v) / n
+        # the projection: with row and column sums r, c and total S = sum(r), it adds
+        # (1-r_i)/n + (1-c_j)/n - (n-S)/n^2 = (1 + S/n - r_i - c_j) / n
+        r, c = p.sum(dim=1, keepdim=True), p.sum(dim=0, keepdim=True)        # [n, 1, N], [1, n, N]
+        p = p + (1.0 + r.sum(dim=0, keepdim=True) / n - r - c) / n
         # the mix: lam = max_ij neg/(neg + 1/n) with neg = max(-p, 0), which is increasing in neg,
-        # so it is taken at the smallest entry: one reduction and the rest on [1, 1, N]
+        # so it is taken at the smallest entry (one reduction, the rest on [1, 1, N]); then
+        # (1 - lam) p + lam/n = (p + neg) / (1 + n neg), where p + neg >= 0 holds exactly in
+        # floating point (p_ij - min(p) >= 0: rounding is monotone), so no clamp is needed
         neg = (-p.amin(dim=(0, 1), keepdim=True)).clamp_min(0.0)
-        lam = neg / (neg + 1.0 / n)
-        p = (p + lam * (1.0 / n - p)).clamp_min(0.0)   # (1 - lam) p + lam / n; the clamp takes rounding below 0
+        p = (p + neg) / (1.0 + n * neg)
         return p.permute(2, 0, 1).reshape(shape).contiguous()
 
 
@@ -414,11 +414,13 @@ def local_attention(q, k, v, window: int, bias=None):
     def chunks(x):  # [B, h, nc * W, D] -> [B * nc, h, W, D]
         return x.unflatten(2, (nc, W)).transpose(1, 2).reshape(B * nc, x.shape[1], W, D)
 
-    # keys of chunk c: chunk c - 1 (zeros for c = 0, hidden by the mask) then chunk c
-    kk, vv = (torch.cat([chunks(F.pad(x, (0, 0, W, 0))[:, :, :nc * W]), chunks(x)], dim=2) for x in (k, v))
+    # keys of chunk c: chunk c - 1 (zeros for c = 0, hidden by the mask) then chunk c; the shift
+    # by one chunk is one pad (W rows in front, W cut at the end), whose gradient is one pad too
+    kk, vv = (torch.cat([chunks(F.pad(x, (0, 0, W, -W))), chunks(x)], dim=2) for x in (k, v))
     bias = bias.expand(B, nc, 1, W, 2 * W).reshape(B * nc, 1, W, 2 * W)
     out = attend(chunks(q), kk, vv, bias)                     # [B * nc, H, W, D]
-    return out.view(B, nc, H, W, D).transpose(1, 2).reshape(B, H, nc * W, D)[:, :, :T]
+    out = out.view(B, nc, H, W, D).transpose(1, 2).reshape(B, H, nc * W, D)
+    return out[:, :, :T] if pad else out
 
 
 def attention_masks(cfg: ModelConfig, T: int, device=None) -> dict[str, torch.Tensor]:
@@ -689,6 +691,9 @@ class HyperConnection(nn.Module):
         self.b_post = nn.Parameter(torch.empty(n))
         self.b_res = nn.Parameter(torch.empty(self.n_res))      # flat: every no-decay parameter is < 2-D
         self.sinkhorn_iterate = None   # sinkhorn_knopp's ``iterate``: the XLA backend may set it
+        # alpha spread over the 2n + n_res logits (row k: 1 on gate k's logits), so the three gates
+        # and biases are one multiply-add: a third of the ops, and of their gradient reductions
+        self.register_buffer("gate_spread", torch.empty(3, 2 * n + self.n_res), persistent=False)
         if self.lite:
             self.register_buffer("perms", torch.empty(self.n_res, n, n), persistent=False)
 
@@ -705,17 +710,27 @@ class HyperConnection(nn.Module):
         else:
             eye = torch.eye(n, device=self.b_res.device).flatten()
             self.b_res.copy_((1.0 - eye) * MHC_RES_OFF_DIAG_BIAS)
+        self.init_buffers()
+
+    @torch.no_grad()
+    def init_buffers(self):
+        """The non-persistent buffers, which follow from the shape: ``gate_spread`` and the lite permutations."""
+        gate_of = [0] * self.n + [1] * self.n + [2] * self.n_res
+        spread = [[float(g == k) for g in gate_of] for k in range(3)]
+        self.gate_spread.copy_(torch.tensor(spread, device=self.gate_spread.device))
+        if self.lite:
+            self.perms.copy_(permutation_matrices(self.n, device=self.perms.device))
 
     def coefficients(self, h):
         """fp32 ``H_pre [B, T, n]``, ``H_post [B, T, n]``, ``H_res [B, T, n, n]`` for ``h [B, T, n, C]``."""
         n = self.n
         with torch.autocast(device_type=h.device.type, enabled=False):
             z = normed_projection(h.float().flatten(-2), self.phi.weight.float(), self.eps)
-            pre, post, res = z.split([n, n, self.n_res], dim=-1)
-            a = self.alpha.float()
-            h_pre = torch.sigmoid(a[0] * pre + self.b_pre.float())
-            h_post = 2.0 * torch.sigmoid(a[1] * post + self.b_post.float())
-            res = a[2] * res + self.b_res.float()
+            bias = torch.cat([self.b_pre, self.b_post, self.b_res]).float()
+            z = z * (self.alpha.float() @ self.gate_spread.float()) + bias
+            gates, res = z.split([2 * n, self.n_res], dim=-1)   # split: its gradient is one concatenation
+            h_pre, h_post = torch.sigmoid(gates).split([n, n], dim=-1)
+            h_post = 2.0 * h_post
             if self.lite:
                 h_res = torch.einsum("btk,kij->btij", torch.softmax(res, dim=-1), self.perms.float())
             else:
@@ -859,7 +874,7 @@ class NashMHC(nn.Module):
 
     @torch.no_grad()
     def init_buffers(self):
-        """(Re)compute the non-persistent buffers: the rotary tables and the mHC-lite permutations.
+        """(Re)compute the non-persistent buffers: the rotary tables and the hyper-connections' own.
         They follow from the config and are never saved, so a model whose parameters were loaded
         into a meta-built module (``load_state_dict(assign=True)``, transformers' from_pretrained)
         calls this and nothing else."""
@@ -868,8 +883,8 @@ class NashMHC(nn.Module):
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
         for m in self.modules():
-            if isinstance(m, HyperConnection) and m.lite:
-                m.perms.copy_(permutation_matrices(m.n, device=m.perms.device))
+            if isinstance(m, HyperConnection):
+                m.init_buffers()
 
     def trunk(self, idx):
         """Final-normed hidden states ``[B, T, C]`` and the blocks' mean stats."""

@@ -15,8 +15,9 @@ Variants (same width and depth; max_seq_len = --seq):
 
 The step is forward + backward + AdamW (no clipping), fp32, batch --batch x seq --seq, on:
   eager    PyTorch eager on the CPU with --threads intra-op threads, torch's fused AdamW (train.py's CPU step)
-  compile  torch.compile(model, fullgraph=True) (inductor, CPU), fused AdamW outside the graph; a fresh
-           inductor cache, so the warm-up is a real compilation
+  compile  train.py's training.compile: each block's forward torch.compile'd (fullgraph, inductor,
+           CPU; every block reuses the first's graph), the rest eager, fused AdamW; a fresh inductor
+           cache, so the warm-up is a real compilation
   xla      PJRT CPU as train_xla.py runs it: training.xla_backend.XLABackend places the model, the
            tensor-op AdamW of training.optim, one XLA graph per step (torch_xla.sync()); a step ends
            when its loss reaches the host
@@ -157,19 +158,20 @@ def torch_step(args, variant: str, compiled: bool):
     """The eager or torch.compile training step of one variant (fused AdamW, as train.py on CPU/CUDA)."""
     import torch
     from model import NashMHC
-    from training.backend import TorchBackend
+    from training.backend import TorchBackend, compile_blocks
     from training.config import TrainingConfig
     from training.optim import build_optimizer
 
     torch.manual_seed(0)
     model = NashMHC(make_config(args, variant))
-    fwd = torch.compile(model, fullgraph=True) if compiled else model
+    if compiled:
+        compile_blocks(model)                   # train.py's training.compile
     opt = build_optimizer(model, TrainingConfig(), TorchBackend("cpu").adamw_factory())
     idx = torch.randint(0, args.vocab, (args.batch, args.seq))
     tgt = torch.randint(0, args.vocab, (args.batch, args.seq))
 
     def step():
-        fwd(idx, tgt).loss.backward()
+        model(idx, tgt).loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 

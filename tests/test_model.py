@@ -651,19 +651,28 @@ def test_bf16_streams_store_bf16_and_compute_in_fp32():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("over", [{}, dict(mhc_streams=1, nash_scales=1, nash_window=0)], ids=["nash-mhc", "baseline"])
-def test_torch_compile_fullgraph_matches_eager(over):
-    """torch.compile(model, fullgraph=True) on the CPU (inductor) traces forward and backward
-    without a graph break (fullgraph raises on one) and gives eager's loss and gradients: the
-    compile path GPU users take, checked here. Nash-MHC's compiled graph runs the plain forms of
-    the stream ops, eager the autograd.Functions, so this also compares the two under inductor."""
+def test_torch_compile_of_the_blocks_matches_eager(over):
+    """train.py's training.compile (``compile_blocks``) on the CPU (inductor): every block's forward
+    and backward traced without a graph break (fullgraph raises on one), one graph for all the
+    blocks (the compile time does not grow with n_layers), parameter names untouched, and eager's
+    loss and gradients: the compile path GPU users take, checked here. The compiled blocks run the
+    plain forms of the stream ops, eager the autograd.Functions, so this also compares the two."""
+    from torch._dynamo.utils import counters
+    from training.backend import compile_blocks
+
     torch._dynamo.reset()
-    cfg = tiny(n_layers=1, sinkhorn_iters=4, **over)   # every code path once; compile time is per op traced
+    counters.clear()
+    cfg = tiny(n_layers=2, sinkhorn_iters=4, **over)   # every code path once; compile time is per op traced
     eager, compiled = build(cfg), build(cfg)
+    names = list(compiled.state_dict())
     idx, tgt = torch.randint(0, 64, (2, 40)), torch.randint(0, 64, (2, 40))
     ref = eager(idx, tgt)
     ref.loss.backward()
-    out = torch.compile(compiled, fullgraph=True)(idx, tgt)
+    compile_blocks(compiled)
+    out = compiled(idx, tgt)
     out.loss.backward()
+    assert counters["stats"]["unique_graphs"] == 1       # block 1 ran block 0's graph
+    assert list(compiled.state_dict()) == names
     assert torch.allclose(out.loss, ref.loss, rtol=1e-5, atol=1e-6)
     for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
         assert torch.allclose(q.grad, p.grad, rtol=1e-3, atol=1e-6), name

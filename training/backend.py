@@ -137,8 +137,7 @@ class Backend:
     checkpoint_format = "file"      # or "dcp" (see training.checkpoint)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
-        model = getattr(model, "module", model)        # DDP
-        return getattr(model, "_orig_mod", model)      # torch.compile
+        return getattr(model, "module", model)         # DDP
 
     def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
         """The live state, keyed by parameter name: ``{"model": {...}, "optimizer": {"state":
@@ -220,6 +219,21 @@ class Backend:
 
     def shutdown(self) -> None:
         pass
+
+
+def compile_blocks(model: nn.Module) -> None:
+    """``torch.compile`` every transformer block's forward (fullgraph), in place, as torchtitan does.
+
+    The blocks run one code object on the same shapes, so Dynamo compiles the first and the others
+    reuse its graph: the warm-up is one block's, whatever ``n_layers``. Compiling the whole model
+    unrolls every layer into one graph instead (bench/model.py, 4 layers: 17x the baseline's
+    warm-up for Nash-MHC, whose block is the larger). Only ``forward`` is replaced: the modules,
+    their parameter names and any DDP/FSDP hooks stay as they are and run eagerly, as do the
+    embedding, the stream collapse and the loss. Static shapes: a training run's never change, and
+    a new one (an evaluation batch) compiles its own graph.
+    """
+    for block in model.blocks:
+        block.forward = torch.compile(block.forward, fullgraph=True, dynamic=False)
 
 
 def _cpu_flags() -> str:
@@ -330,7 +344,7 @@ class TorchBackend(Backend):
             fully_shard(model)
         if cfg.training.compile:
             if self.device.type == "cuda":
-                model = torch.compile(model)
+                compile_blocks(model)
             else:
                 print("warning: training.compile is used on CUDA only; running eagerly", file=sys.stderr)
         if self.distributed and not self.fsdp:

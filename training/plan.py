@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import itertools
 import math
 import os
 import re
@@ -568,7 +569,8 @@ def _trace(cfg: Config, layout: Layout, device: Device, micro_batch: Optional[in
     names = {m: n for n, m in model.named_modules()}
     blocks = {m: k for k, m in enumerate(getattr(model, "blocks", []))}
     specs = {id(p): param_partition_spec(n, p) for n, p in model.named_parameters()}
-    in_block1 = {id(p) for n, p in model.named_parameters() if n.startswith("blocks.1.")}
+    in_block1 = {id(t) for n, t in itertools.chain(model.named_parameters(), model.named_buffers())
+                 if n.startswith("blocks.1.")}
     params = [p for p in model.parameters() if p.requires_grad]
     amp = torch.bfloat16 if cfg.training.precision == "bf16" else None
     rec = _Recorder()
@@ -590,7 +592,7 @@ def _trace(cfg: Config, layout: Layout, device: Device, micro_batch: Optional[in
         for p in model.parameters():
             count(p, WEIGHTS, specs[id(p)], p)
         for buf in model.buffers():
-            count(buf, WEIGHTS, None)
+            count(buf, WEIGHTS, None, buf)
         for p, state in optimizer.state.items():
             for v in state.values():
                 if torch.is_tensor(v):  # sharded like the parameter when shaped like it (XLABackend)
