@@ -398,9 +398,9 @@ def local_attention(q, k, v, window: int, bias=None):
     """Causal attention at full resolution over the last ``window`` keys (0: all of them).
 
     ``q [B, H, T, D]``, ``k, v [B, Hkv, T, D]``, ``bias`` the mask ``attention_masks`` gives for
-    this T as ``local`` (None where it gives none: plain causal). When T > 2 * window the queries are cut into chunks of
-    ``window`` that attend to their own and the previous chunk (2 * window keys, masked to the
-    window), so the cost is linear in T; otherwise one product over all keys.
+    this T as ``local`` (None where it gives none: plain causal). When T > 2 * window the queries
+    are cut into chunks of ``window`` that attend to their own and the previous chunk (2 * window
+    keys, masked to the window), so the cost is linear in T; otherwise one product over all keys.
     """
     B, H, T, D = q.shape
     if window == 0 or T <= 2 * window:

@@ -199,8 +199,8 @@ class ScanBlocks:
     block on each slice with ``torch.func.functional_call``, ``scan`` over the slices), written
     against ``scan`` itself because a Block is not a carry-to-carry layer: it also takes the
     rotary tables and the attention masks, which travel as per-layer inputs that are not
-    differentiated (in the carry they would be), and it returns detached stats, which are summed in the carry (``scan``'s
-    stacked outputs must be differentiable). The scanned function is cached per train/eval mode,
+    differentiated (in the carry they would be), and it returns detached stats, which are summed
+    in the carry (``scan``'s stacked outputs must be differentiable). The scanned function is cached per train/eval mode,
     checkpointing, grad and autocast state, so ``scan``'s trace cache never mixes them.
     """
 
