@@ -61,9 +61,10 @@ class ModelConfig:
     dropout: float = _help("dropout on the embedding and on every sub-layer output", 0.0)
     init_std: float = _help("std of the weight init (output projections: init_std / sqrt(2 n_layers))", 0.02)
     mhc_streams: int = _help("mHC residual streams n (1: plain residual)", 4)
-    sinkhorn_iters: int = _help("Sinkhorn-Knopp iterations for H_res", 20)
-    mhc_lite: bool = _help("H_res as a convex combination of the n! permutation matrices (mHC-lite) "
-                           "instead of Sinkhorn", False)
+    sinkhorn_iters: int = _help("Sinkhorn-Knopp iterations for H_res (mhc_lite false)", 20)
+    mhc_lite: bool = _help("H_res as a softmax-weighted convex combination of the n! permutation matrices "
+                           "(mHC-lite: doubly stochastic by construction, no iterations, cheaper on every "
+                           "backend); false: Sinkhorn-Knopp, as in DeepSeek's mHC", True)
     stream_dtype: Literal["fp32", "bf16"] = _help(
         "dtype of the mHC residual streams between sub-layers (mhc_streams > 1; bf16 halves their "
         "memory traffic, as in the mHC paper); the mixing and its coefficients are computed in fp32", "fp32")
@@ -102,7 +103,8 @@ class ModelConfig:
              f"n_kv_heads={self.n_kv_heads} does not divide n_heads={self.n_heads}")
         need(0.0 <= self.dropout < 1.0, f"dropout={self.dropout} must be in [0, 1)")
         need(not self.mhc_lite or self.mhc_streams <= 6,
-             f"mhc_lite=true needs mhc_streams <= 6 (it mixes all n! permutations), got {self.mhc_streams}")
+             f"mhc_lite=true needs mhc_streams <= 6 (it mixes all n! permutations; mhc_lite: false uses "
+             f"Sinkhorn), got {self.mhc_streams}")
         need(self.nash_compression >= 2, f"nash_compression={self.nash_compression} must be at least 2")
         need(self.nash_window >= 0, f"nash_window={self.nash_window} must be 0 (no window) or positive")
         need(self.loss_chunk >= 0, f"loss_chunk={self.loss_chunk} must be 0 (no chunks) or positive")
@@ -705,7 +707,9 @@ class HyperConnection(nn.Module):
         self.b_pre[self.favoured] = MHC_PRE_BIAS
         self.b_post.zero_()                                      # 2 sigmoid(0) = 1
         if self.lite:
-            self.b_res.fill_(MHC_RES_OFF_DIAG_BIAS)
+            # an off-diagonal entry sums the weights of the (n-1)! permutations through it: this bias
+            # starts every one at ~exp(MHC_RES_OFF_DIAG_BIAS), Sinkhorn's start
+            self.b_res.fill_(MHC_RES_OFF_DIAG_BIAS - math.log(math.factorial(n - 1)))
             self.b_res[0] = 0.0                                  # the identity permutation
         else:
             eye = torch.eye(n, device=self.b_res.device).flatten()

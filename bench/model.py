@@ -7,11 +7,13 @@ XLA graph size per layer, and peak memory.
     .venv/bin/python bench/model.py --hlo-only --variants baseline,nash-mhc   # HLO lines per layer, no timing
 
 Variants (same width and depth; max_seq_len = --seq):
-  baseline         mhc_streams 1, nash_scales 1, no window: the plain pre-norm transformer
-  nash-mhc         4 mHC streams, 3 scales (compression 4), window --window
-  mhc-only         4 streams, 1 scale, no window
-  nash-only        1 stream, 3 scales, window --window
-  baseline-window  mhc_streams 1, nash_scales 1, window --window (not run unless asked for)
+  baseline           mhc_streams 1, nash_scales 1, no window: the plain pre-norm transformer
+  nash-mhc           4 mHC streams (the model's default H_res: mHC-lite), 3 scales (compression 4), window --window
+  mhc-only           4 streams, 1 scale, no window
+  nash-only          1 stream, 3 scales, window --window
+  baseline-window    mhc_streams 1, nash_scales 1, window --window (not run unless asked for)
+  nash-mhc-sinkhorn  nash-mhc with mhc_lite false: H_res by --sinkhorn-iters Sinkhorn-Knopp iterations
+  mhc-sinkhorn-only  mhc-only with mhc_lite false
 
 The step is forward + backward + AdamW (no clipping), fp32, batch --batch x seq --seq, on:
   eager    PyTorch eager on the CPU with --threads intra-op threads, torch's fused AdamW (train.py's CPU step)
@@ -43,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import json
 import os
 import resource
@@ -64,8 +67,10 @@ VARIANTS = {
     "mhc-only": dict(nash_scales=1, nash_window=0),
     "nash-only": dict(mhc_streams=1),
     "baseline-window": dict(mhc_streams=1, nash_scales=1),
+    "nash-mhc-sinkhorn": dict(mhc_lite=False),
+    "mhc-sinkhorn-only": dict(nash_scales=1, nash_window=0, mhc_lite=False),
 }
-DEFAULT_VARIANTS = ("baseline", "nash-mhc", "mhc-only", "nash-only")
+DEFAULT_VARIANTS = ("baseline", "nash-mhc", "mhc-only", "nash-only", "nash-mhc-sinkhorn")
 BACKENDS = ("eager", "compile", "xla")
 TARGETS = {"eager": 1.4, "compile": 1.25, "xla": 1.3}   # issue 13, nash-mhc / baseline at its shape
 
@@ -331,7 +336,7 @@ def run_backend(args, backend: str) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------
-# model.stream_dtype: its effect on the loss, measured.
+# Model settings (model.stream_dtype, mhc_lite, sinkhorn_iters): their effect on the loss, measured.
 
 def stdlib_bytes_tokens(limit: int = 4_000_000):
     """Byte-level tokens (vocab 256) of the Python standard library's source: the demo's corpus
@@ -346,13 +351,46 @@ def stdlib_bytes_tokens(limit: int = 4_000_000):
     return torch.frombuffer(buf[:limit], dtype=torch.uint8).long()
 
 
-def stream_dtype_loss(args) -> dict:
+def parse_loss_settings(text: str) -> dict[str, dict]:
+    """``--loss-compare``: comma-separated settings, each one or more ``field=value`` of the model
+    joined by ``+`` (``mhc_lite=true``, ``sinkhorn_iters=5+stream_dtype=bf16``); values as YAML reads
+    them. A ValueError names a bad entry."""
+    import yaml
+    from model import ModelConfig
+
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    out = {}
+    for entry in (e.strip() for e in text.split(",")):
+        if not entry:
+            continue
+        over = {}
+        for kv in entry.split("+"):
+            key, sep, value = kv.partition("=")
+            if not sep or key.strip() not in fields:
+                raise ValueError(f"--loss-compare: {kv!r} is not field=value with a model field")
+            over[key.strip()] = yaml.safe_load(value)
+        out[entry] = over
+    if len(out) < 1:
+        raise ValueError("--loss-compare: no settings")
+    return out
+
+
+def loss_model_config(over: dict):
+    """The demo-shaped model of ``loss_comparison`` with the setting ``over``."""
+    from model import ModelConfig
+
+    return ModelConfig(**{**dict(vocab_size=256, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2,
+                                 max_seq_len=256, nash_window=64), **over})
+
+
+def loss_comparison(args) -> dict:
     """The demo model's shape (d_model 128, 4 layers, 4 heads / 2 kv, window 64, seq 256, batch 8,
     AdamW at 3e-3 with the demo's warm-up and cosine schedule) trained for ``--loss-steps`` steps in
-    eager PyTorch, once with fp32 and once with bf16 streams: same seed, same initial weights,
-    same batches. Training loss (mean of the last 10 steps) and the loss on 16 held-out windows."""
+    eager PyTorch once per ``--loss-compare`` setting: same seed, same batches, and the same initial
+    weights wherever the settings do not change the parameters' shapes. Training loss (mean of the
+    last 10 steps) and the loss on 16 held-out windows."""
     import torch
-    from model import ModelConfig, NashMHC
+    from model import NashMHC
     from training.backend import TorchBackend
     from training.config import TrainingConfig
     from training.optim import build_optimizer, lr_at, set_lr
@@ -363,13 +401,12 @@ def stream_dtype_loss(args) -> dict:
     split = int(len(tokens) * 0.9)
     val = torch.stack([tokens[split + i * (seq + 1): split + (i + 1) * (seq + 1)] for i in range(16)])
     out = {}
-    for dtype in ("fp32", "bf16"):
-        torch.manual_seed(0)
-        model = NashMHC(ModelConfig(vocab_size=256, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2,
-                                    max_seq_len=seq, nash_window=64, stream_dtype=dtype))
+    for name, over in parse_loss_settings(args.loss_compare).items():
+        torch.manual_seed(args.loss_seed)
+        model = NashMHC(loss_model_config(over))
         tcfg = TrainingConfig(learning_rate=3e-3, weight_decay=0.1)
         opt = build_optimizer(model, tcfg, TorchBackend("cpu").adamw_factory())
-        g = torch.Generator().manual_seed(1)
+        g = torch.Generator().manual_seed(args.loss_seed + 1)
         losses, t0 = [], time.perf_counter()
         for step in range(steps):
             set_lr(opt, lr_at(step, steps, 1.0, 30, 0.1))
@@ -384,9 +421,9 @@ def stream_dtype_loss(args) -> dict:
         model.eval()
         with torch.no_grad():
             val_loss = model(val[:, :-1], val[:, 1:]).loss.item()
-        out[dtype] = {"train_loss_last10": statistics.mean(losses[-10:]), "val_loss": val_loss,
-                      "first_loss": losses[0], "seconds": time.perf_counter() - t0, "losses": losses}
-    return {"steps": steps, "seq": seq, "batch": batch, "results": out}
+        out[name] = {"train_loss_last10": statistics.mean(losses[-10:]), "val_loss": val_loss,
+                     "first_loss": losses[0], "seconds": time.perf_counter() - t0, "losses": losses}
+    return {"steps": steps, "seq": seq, "batch": batch, "seed": args.loss_seed, "results": out}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -469,7 +506,7 @@ def render(args, report: dict) -> str:
          f"start, {report['load'][1]:.2f} at the end"]
     timed = {b: r for b, r in report["backends"].items() if "results" in r}
     if timed:
-        L += ["", f"{'backend':<9}{'variant':<16}{'params':>11}{'step wall':>12}{'step CPU':>11}{'x baseline':>13}"
+        L += ["", f"{'backend':<9}{'variant':<19}{'params':>11}{'step wall':>12}{'step CPU':>11}{'x baseline':>13}"
                   f"{'warm-up':>10}{'x baseline':>12}"]
         for b, r in timed.items():
             res, ref = r["results"], r["results"].get("baseline")
@@ -479,14 +516,14 @@ def render(args, report: dict) -> str:
                 mem = ""
                 if "peak_rss" in x:
                     mem = f"{x['peak_rss'] / 2**20:>9.0f}MiB peak{x['step_rss'] / 2**20:>7.0f}MiB step"
-                L.append(f"{b:<9}{v:<16}{x['params']:>11,}{x['wall_s'] * 1e3:>10.1f}ms{x['cpu_s'] * 1e3:>9.1f}ms"
+                L.append(f"{b:<9}{v:<19}{x['params']:>11,}{x['wall_s'] * 1e3:>10.1f}ms{x['cpu_s'] * 1e3:>9.1f}ms"
                          f"{ratio:>13}{x['warmup_s']:>9.1f}s{wratio:>12}{mem}")
         L.append("x baseline: wall / CPU time (warm-up: wall) over 'baseline' in the same process; targets for "
                  "nash-mhc: " + ", ".join(f"{b} <= {t}" for b, t in TARGETS.items()))
         split = [b for b, r in timed.items() if "baseline" in r["results"]]
         if split:
-            L += ["", "| backend | baseline | Nash-MHC | ratio | mHC alone | Nash alone | warm-up ratio |",
-                  "|---|---:|---:|---:|---:|---:|---:|"]
+            L += ["", "| backend | baseline | Nash-MHC | ratio | mHC alone | Nash alone | warm-up ratio "
+                  "| with Sinkhorn | its warm-up ratio |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
             for b in split:
                 res = timed[b]["results"]
                 ref = res["baseline"]
@@ -496,7 +533,8 @@ def render(args, report: dict) -> str:
 
                 nash = f"{res['nash-mhc']['wall_s'] * 1e3:.0f} ms" if "nash-mhc" in res else ""
                 L.append(f"| {b} | {ref['wall_s'] * 1e3:.0f} ms | {nash} | {cell('nash-mhc')} | {cell('mhc-only')} | "
-                         f"{cell('nash-only')} | {cell('nash-mhc', 'warmup_s')} |")
+                         f"{cell('nash-only')} | {cell('nash-mhc', 'warmup_s')} | {cell('nash-mhc-sinkhorn')} | "
+                         f"{cell('nash-mhc-sinkhorn', 'warmup_s')} |")
     hlo = report.get("hlo")
     if hlo:
         L += ["", "HLO lines of the training step's model graph (forward + backward, bench/xla.py compile) on "
@@ -532,7 +570,12 @@ def main(argv=None) -> int:
                    help="comma-separated, from: " + ", ".join(VARIANTS))
     p.add_argument("--no-memory", action="store_true", help="skip the per-variant memory processes (eager)")
     p.add_argument("--loss-steps", type=int, default=0, metavar="N",
-                   help="only compare model.stream_dtype fp32 and bf16: N training steps of the demo-shaped model")
+                   help="only compare the --loss-compare settings: N training steps of the demo-shaped model each")
+    p.add_argument("--loss-compare", default="stream_dtype=fp32,stream_dtype=bf16", metavar="SETTINGS",
+                   help="with --loss-steps: comma-separated model settings, each field=value[+field=value] "
+                        "(default: %(default)s; e.g. mhc_lite=false,mhc_lite=true)")
+    p.add_argument("--loss-seed", type=int, default=0,
+                   help="with --loss-steps: seed of the initial weights (the batches' seed is this + 1)")
     p.add_argument("--hlo", action="store_true", help="also count HLO lines per layer (PJRT CPU)")
     p.add_argument("--hlo-only", action="store_true", help="HLO lines per layer only (no timing)")
     p.add_argument("--hlo-root", metavar="DIR", help="also count HLO lines with DIR's bench/xla.py and model "
@@ -560,6 +603,9 @@ def main(argv=None) -> int:
     try:
         for v in args.variants:
             make_config(args, v)
+        if args.loss_steps:
+            for over in parse_loss_settings(args.loss_compare).values():
+                loss_model_config(over)
     except (ValueError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -579,11 +625,10 @@ def main(argv=None) -> int:
 
     load0 = os.getloadavg()[0]
     if args.loss_steps:
-        res = stream_dtype_loss(args)
-        print(f"model.stream_dtype, {res['steps']} training steps of the demo-shaped model (eager, batch "
-              f"{res['batch']} x seq {res['seq']}, byte-level stdlib source); load average {load0:.2f} -> "
-              f"{os.getloadavg()[0]:.2f}\n\n| stream_dtype | first loss | train loss (last 10) | held-out loss | time |\n"
-              "|---|---:|---:|---:|---:|")
+        res = loss_comparison(args)
+        print(f"{res['steps']} training steps of the demo-shaped model (eager, seed {res['seed']}, batch {res['batch']} x seq "
+              f"{res['seq']}, byte-level stdlib source); load average {load0:.2f} -> {os.getloadavg()[0]:.2f}\n\n"
+              "| model setting | first loss | train loss (last 10) | held-out loss | time |\n|---|---:|---:|---:|---:|")
         for k, r in res["results"].items():
             print(f"| {k} | {r['first_loss']:.4f} | {r['train_loss_last10']:.4f} | {r['val_loss']:.4f} | "
                   f"{r['seconds']:.0f} s |")

@@ -26,7 +26,7 @@ from helpers import ENV, ROOT, losses, metrics, tiny_config
 
 TINY = dict(vocab_size=512, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64, dropout=0.0)
 BASELINE = dict(mhc_streams=1, nash_scales=1, nash_window=0)
-NASH = dict(mhc_streams=2, nash_scales=3, nash_compression=4, nash_window=16, nash_pool="learned")
+NASH = dict(mhc_streams=2, mhc_lite=False, nash_scales=3, nash_compression=4, nash_window=16, nash_pool="learned")
 NASH_LITE = dict(mhc_streams=3, mhc_lite=True, nash_scales=2, nash_window=8, aggregation="convex",
                  tie_embeddings=False)
 
@@ -110,7 +110,7 @@ def test_baseline_exports_as_plain_llama(tmp_path, stdlib_data, capsys):
     assert tok.pad_token_id == config["pad_token_id"] == gen.pad_token_id == meta["pad_id"]
 
 
-@pytest.mark.parametrize("arch", [NASH, NASH_LITE], ids=["nash-mhc", "mhc-lite-convex-untied"])
+@pytest.mark.parametrize("arch", [NASH, NASH_LITE], ids=["nash-mhc-sinkhorn", "mhc-lite-convex-untied"])
 def test_nash_mhc_exports_with_remote_code(tmp_path, stdlib_data, arch, request):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

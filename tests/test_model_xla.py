@@ -35,7 +35,7 @@ configs = {
     "lite-convex": (dict(nash_window=0, nash_scales=4, nash_compression=2, mhc_lite=True,
                          aggregation="convex"), (False,)),
     # the XLA backend's Sinkhorn as one loop (training.xla_backend.SinkhornLoop), against eager CPU
-    "sinkhorn-loop": (dict(nash_window=8, nash_scales=3, nash_compression=2), (False,)),
+    "sinkhorn-loop": (dict(nash_window=8, nash_scales=3, nash_compression=2, mhc_lite=False), (False,)),
     # model.attend's written-out form (XLA) against SDPA (CPU), on the other masks: the window's
     # chunks with right padding (48 tokens, window 5) and its dense form (48 tokens, window 32)
     "window-chunked-pad": (dict(mhc_streams=1, nash_window=5, nash_scales=3, nash_compression=2,
