@@ -218,3 +218,25 @@ def test_quick_learning_on_the_test_corpus(tmp_path, stdlib_data):
     assert res["variants"]["nash-mhc"]["mhc_streams"] == 4 and res["variants"]["nash-mhc"]["nash_scales"] == 3
     png = tmp_path / "loss_curves.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# -- bench/model.py's --loss-compare ------------------------------------------------------------
+
+def test_loss_compare_settings_parse_and_bad_ones_name_the_entry():
+    from bench import model as bench_model
+
+    got = bench_model.parse_loss_settings("mhc_lite=false, sinkhorn_iters=5+stream_dtype=bf16")
+    assert got == {"mhc_lite=false": {"mhc_lite": False},
+                   "sinkhorn_iters=5+stream_dtype=bf16": {"sinkhorn_iters": 5, "stream_dtype": "bf16"}}
+    for bad in ("mhc_lte=true", "mhc_lite", ""):
+        with pytest.raises(ValueError, match="--loss-compare"):
+            bench_model.parse_loss_settings(bad)
+
+
+def test_bench_model_rejects_a_bad_loss_setting_in_one_line():
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "model.py"), "--loss-steps", "1",
+                        "--loss-compare", "mhc_streams=7+mhc_lite=true"], capture_output=True, text=True, env=ENV)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.strip().splitlines() == [
+        "error: mhc_lite=true needs mhc_streams <= 6 (it mixes all n! permutations; mhc_lite: false uses "
+        "Sinkhorn), got 7"]

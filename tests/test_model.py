@@ -189,6 +189,16 @@ def test_mhc_starts_at_identity_and_coefficients_are_fp32_under_autocast(lite):
     assert torch.allclose(post, torch.ones(()), atol=0.05)
 
 
+def test_mhc_lite_starts_where_sinkhorn_starts():
+    """The two H_res forms begin at the same near-identity matrix: exp(-8) = 3.4e-4 off the
+    diagonal, moved by the gates (alpha = 0.01 times the projection) by a few 1e-6."""
+    h = torch.randn(2, 8, 4, 32, generator=torch.Generator().manual_seed(0))
+    res = {lite: build(tiny(mhc_lite=lite)).blocks[0].hc_attn.coefficients(h)[2] for lite in (True, False)}
+    off = ~torch.eye(4, dtype=torch.bool)
+    assert torch.allclose(res[True][..., off], torch.full((), math.exp(-8)), rtol=0.05)
+    assert torch.allclose(res[True], res[False], atol=2e-5)
+
+
 def test_mhc_lite_is_exactly_doubly_stochastic():
     cfg = tiny(mhc_lite=True)
     hc = build(cfg).blocks[1].hc_ffn
