@@ -5,6 +5,7 @@ XLA graph size per layer, and peak memory.
     .venv/bin/python bench/model.py --d-model 768 --n-heads 12 --n-kv-heads 12   # the small_gpu width
     .venv/bin/python bench/model.py --backends eager --profile --json out.json
     .venv/bin/python bench/model.py --hlo-only --variants baseline,nash-mhc   # HLO lines per layer, no timing
+    .venv/bin/python bench/model.py --loss-steps 200 --loss-compare mhc_lite=false,mhc_lite=true   # the loss
 
 Variants (same width and depth; max_seq_len = --seq):
   baseline           mhc_streams 1, nash_scales 1, no window: the plain pre-norm transformer
