@@ -1,4 +1,5 @@
 """model.py: the invariants of DESIGN.md section 1.4, the config, accounting and the CLI."""
+import functools
 import math
 import subprocess
 import sys
@@ -208,6 +209,32 @@ def test_mhc_lite_is_exactly_doubly_stochastic():
     assert (res >= 0).all()
     assert torch.allclose(res.sum(-1), torch.ones(()), atol=1e-5)
     assert torch.allclose(res.sum(-2), torch.ones(()), atol=1e-5)
+
+
+@functools.lru_cache(maxsize=None)
+def _lite_hyper_connection(n: int):
+    return build(tiny(mhc_lite=True, mhc_streams=n)).blocks[0].hc_attn
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.sampled_from([2, 3, 4]), st.data())
+def test_mhc_lite_is_doubly_stochastic_with_finite_grads_for_extreme_logits(n, data):
+    """Invariant 2 for the default H_res: the gates at 0, so the logits are the bias, drawn up to +-1e4."""
+    hc = _lite_hyper_connection(n)
+    extreme = st.sampled_from([-1e4, 1e4, 0.0])
+    values = data.draw(st.lists(st.one_of(st.floats(-1e4, 1e4), extreme, st.floats(-5, 5)),
+                                min_size=hc.n_res, max_size=hc.n_res))
+    with torch.no_grad():
+        hc.alpha.zero_()
+        hc.b_res.copy_(torch.tensor(values))
+    hc.zero_grad(set_to_none=True)
+    h = torch.randn(1, 3, n, 32, generator=torch.Generator().manual_seed(0))
+    _, _, res = hc.coefficients(h)
+    assert torch.isfinite(res).all() and (res >= 0).all()
+    assert torch.allclose(res.sum(-1), torch.ones(()), atol=1e-5)
+    assert torch.allclose(res.sum(-2), torch.ones(()), atol=1e-5)
+    (res * torch.randn(res.shape, generator=torch.Generator().manual_seed(1))).sum().backward()
+    assert torch.isfinite(hc.b_res.grad).all() and torch.isfinite(hc.phi.weight.grad).all()
 
 
 # -- Nash equilibrium ---------------------------------------------------------------------------
