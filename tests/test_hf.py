@@ -20,7 +20,7 @@ import export_hf
 from model import ModelConfig, NashMHC
 from training.checkpoint import (FORMAT_VERSION, CheckpointError, atomic_torch_save, checkpoint_path,
                                  load_checkpoint)
-from training.config import Config, DataConfig, TrainingConfig
+from training.config import Config, DataConfig, TrainingConfig, config_from_dict
 
 from helpers import ENV, ROOT, losses, metrics, tiny_config
 
@@ -162,6 +162,32 @@ def test_bf16_export(tmp_path, stdlib_data):
         rounded = ours.to(torch.bfloat16).float()  # the exported weights, in fp32
         rounded.init_buffers()  # rotary tables in fp32, as from_pretrained builds them
         assert (hf(x).logits - rounded(x).logits).abs().max() <= 1e-4
+
+
+def test_export_from_a_sharded_checkpoint(tmp_path, stdlib_data, capsys):
+    """A DCP directory (what FSDP2 and SPMD runs write), found in its run directory and read by
+    training.checkpoint's one loader: the same files as from the same weights in a .pt file."""
+    from safetensors.torch import load_file
+    from training.backend import TorchBackend
+    from training.checkpoint import Checkpointer, rng_state
+    from training.optim import build_optimizer
+
+    ours = make_run(tmp_path / "file", stdlib_data, **NASH_LITE)
+    ckpt = load_checkpoint(checkpoint_path(tmp_path / "file", 7))
+    backend = TorchBackend("cpu")
+    backend.checkpoint_format = "dcp"  # DCP in one process: no group
+    opt = build_optimizer(ours, config_from_dict(ckpt["config"]).training, backend.adamw_factory())
+    meta = {k: ckpt[k] for k in ("format_version", "step", "tokens_seen", "data", "config", "trainer")}
+    saved = Checkpointer(tmp_path / "run", keep=1, backend=backend, log=lambda m: None).save(
+        {**meta, "rng": rng_state(), "nonfinite": {"total": 0}}, ours, opt, "test")
+    assert saved.is_dir() and saved == checkpoint_path(tmp_path / "run", 7, sharded=True)
+
+    assert export(tmp_path / "run", tmp_path / "hf") == 0
+    assert saved.name in capsys.readouterr().err
+    assert export(tmp_path / "file", tmp_path / "hf_file") == 0
+    got, want = load_file(tmp_path / "hf" / "model.safetensors"), load_file(tmp_path / "hf_file" / "model.safetensors")
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert (tmp_path / "hf" / "config.json").read_text() == (tmp_path / "hf_file" / "config.json").read_text()
 
 
 @pytest.mark.parametrize("model_rows", [520, 300])
