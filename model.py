@@ -582,9 +582,11 @@ def _fusing(x: torch.Tensor) -> bool:
 
 
 def normed_projection(x, w, eps):
-    """``(x @ w^T) / sqrt(mean(x^2) + eps)`` over the last dim of ``x [..., K]`` (fp32): the
-    projection of the RMS-normalised x (no weight), without materialising it."""
+    """``(x @ w^T) / sqrt(mean(x^2) + eps)`` over the last dim of ``x [..., K]``, in fp32 (``w``
+    fp32, ``x`` in the streams' dtype): the projection of the RMS-normalised x (no weight), without
+    materialising it."""
     if _fusing(x):
+        x = x.float()
         return F.linear(x, w) * torch.rsqrt(x.square().mean(dim=-1, keepdim=True) + eps)
     return _NormedProjection.apply(x, w, eps)
 
@@ -608,23 +610,26 @@ def stream_write(h, y, res, post):
 class _NormedProjection(torch.autograd.Function):
     """``normed_projection`` for eager PyTorch: ``z = (x @ w^T) * r`` with ``r = 1 / sqrt(mean(x^2) + eps)``.
     The backward is written out, ``dx = (g r) @ w - x r^3 sum(g * (x @ w^T)) / K``: one product and
-    one fused update of the n-times wide input, where autograd's takes five passes over it."""
+    one fused update of the n-times wide input, where autograd's takes five passes over it. It
+    keeps x in its own dtype (bf16 streams: no fp32 copy of them lives until the backward)."""
 
     @staticmethod
     def forward(ctx, x, w, eps: float):
-        r = torch.rsqrt(torch.linalg.vector_norm(x, dim=-1, keepdim=True).square() / x.shape[-1] + eps)
-        proj = F.linear(x, w)
+        xf = x.to(w.dtype)
+        r = torch.rsqrt(torch.linalg.vector_norm(xf, dim=-1, keepdim=True).square() / x.shape[-1] + eps)
+        proj = F.linear(xf, w)
         ctx.save_for_backward(x, w, r, proj)
         return proj * r
 
     @staticmethod
     def backward(ctx, g):
         x, w, r, proj = ctx.saved_tensors
+        xf = x.to(w.dtype)
         gr = g * r
         grad_x = torch.matmul(gr, w)
-        grad_x.addcmul_(x, (g * proj).sum(dim=-1, keepdim=True) * r.pow(3) / -x.shape[-1])
-        grad_w = torch.matmul(gr.reshape(-1, gr.shape[-1]).t(), x.reshape(-1, x.shape[-1]))
-        return grad_x, grad_w, None
+        grad_x.addcmul_(xf, (g * proj).sum(dim=-1, keepdim=True) * r.pow(3) / -x.shape[-1])
+        grad_w = torch.matmul(gr.reshape(-1, gr.shape[-1]).t(), xf.reshape(-1, x.shape[-1]))
+        return grad_x.to(x.dtype), grad_w, None
 
 
 # The two stream ops below reduce with (batched) products instead of broadcast-multiply-and-sum:
@@ -729,7 +734,7 @@ class HyperConnection(nn.Module):
         """fp32 ``H_pre [B, T, n]``, ``H_post [B, T, n]``, ``H_res [B, T, n, n]`` for ``h [B, T, n, C]``."""
         n = self.n
         with torch.autocast(device_type=h.device.type, enabled=False):
-            z = normed_projection(h.float().flatten(-2), self.phi.weight.float(), self.eps)
+            z = normed_projection(h.flatten(-2), self.phi.weight.float(), self.eps)
             bias = torch.cat([self.b_pre, self.b_post, self.b_res]).float()
             z = z * (self.alpha.float() @ self.gate_spread.float()) + bias
             gates, res = z.split([2 * n, self.n_res], dim=-1)   # split: its gradient is one concatenation
@@ -773,7 +778,7 @@ class StreamCollapse(nn.Module):
 
     def forward(self, h):
         with torch.autocast(device_type=h.device.type, enabled=False):
-            z = normed_projection(h.float().flatten(-2), self.phi.weight.float(), self.eps)
+            z = normed_projection(h.flatten(-2), self.phi.weight.float(), self.eps)
             w = torch.sigmoid(self.alpha.float() * z + self.bias.float())
             return stream_read(w, h)
 
