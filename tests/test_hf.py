@@ -185,7 +185,7 @@ def test_export_from_a_sharded_checkpoint(tmp_path, stdlib_data, capsys):
     assert export(tmp_path / "run", tmp_path / "hf") == 0
     assert saved.name in capsys.readouterr().err
     assert export(tmp_path / "file", tmp_path / "hf_file") == 0
-    got, want = load_file(tmp_path / "hf" / "model.safetensors"), load_file(tmp_path / "hf_file" / "model.safetensors")
+    got, want = (load_file(tmp_path / d / "model.safetensors") for d in ("hf", "hf_file"))
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
     assert (tmp_path / "hf" / "config.json").read_text() == (tmp_path / "hf_file" / "config.json").read_text()
 
