@@ -89,6 +89,25 @@ def test_config_overrides_are_typed(tmp_path):
         load_config(p, ["training.max_stpes=1"])
 
 
+def test_string_keys_take_an_override_as_written(tmp_path):
+    # YAML would read 0100 as the octal 64, 2024_01 as 202401 and on as true: a checkpoint
+    # directory or run name given on the command line is the text typed, never a number
+    p = write(tmp_path, "training: {max_steps: 3}\n")
+    cfg = load_config(p, ["checkpoint.dir=0100", "logging.wandb.run_name=2024_01", "data.dir=on"])
+    assert (cfg.checkpoint.dir, cfg.logging.wandb.run_name, cfg.data.dir) == ("0100", "2024_01", "on")
+    cfg = load_config(p, ["logging.wandb.run_name=null", "training.max_steps=0x10", "checkpoint.dir='0100'"])
+    assert cfg.logging.wandb.run_name is None and cfg.training.max_steps == 16 and cfg.checkpoint.dir == "0100"
+    with pytest.raises(ConfigError, match="^model: expected a mapping of keys, got 5$"):
+        load_config(None, ["model=5", "training.max_steps=3"])
+
+
+def test_config_that_is_not_text_is_one_line(tmp_path):
+    p = tmp_path / "ckpt.pt"
+    p.write_bytes(b"\x80\x93\x94 binary")
+    with pytest.raises(ConfigError, match=f"^{p}: not a YAML config \\(not UTF-8 text\\)$"):
+        load_config(p)
+
+
 def test_total_tokens_gives_steps(tmp_path):
     cfg = load_config(write(tmp_path, "training: {total_tokens: 1000000, batch_size: 4, "
                                       "gradient_accumulation_steps: 2}\ndata: {seq_len: 128}\n"))

@@ -206,8 +206,24 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
+class _OverrideValue:
+    """A command-line override's value: its text and YAML's reading of it. A string key takes
+    the text whenever YAML read a scalar that is not a string (``checkpoint.dir=0100`` is the
+    octal 64 to YAML, ``run_name=2024_01`` the integer 202401, ``run_name=on`` true)."""
+
+    def __init__(self, text: str, value: Any):
+        self.text, self.value = text, value
+
+    def resolve(self, tp: Any) -> Any:
+        args = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
+        scalar = self.value is not None and not isinstance(self.value, (str, list, dict))
+        return self.text if str in args and scalar else self.value
+
+
 def _coerce(value: Any, tp: Any, key: str) -> Any:
     """Check ``value`` against the annotation ``tp``; return it in the schema's type."""
+    if isinstance(value, _OverrideValue):
+        value = value.resolve(tp)
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
@@ -268,6 +284,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
 def build(cls: type, data: Any, prefix: str = "") -> Any:
     """Build dataclass ``cls`` from a mapping, rejecting unknown keys and wrong types."""
     where = prefix or "config"
+    if isinstance(data, _OverrideValue):
+        data = data.value
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -314,7 +332,7 @@ def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
             value = yaml.safe_load(raw) if raw != "" else ""
         except yaml.YAMLError:
             value = raw
-        out.append((key.strip(), value))
+        out.append((key.strip(), value if isinstance(value, (dict, list)) else _OverrideValue(raw, value)))
     return out
 
 
@@ -326,7 +344,11 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
         if not path.is_file():
             raise ConfigError(f"{path}: config file not found")
         try:
-            tree = yaml.safe_load(path.read_text()) or {}
+            tree = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        except UnicodeDecodeError:
+            raise ConfigError(f"{path}: not a YAML config (not UTF-8 text)") from None
+        except OSError as e:
+            raise ConfigError(f"{path}: cannot read the config ({e.strerror or e})") from None
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             where = f" line {mark.line + 1}" if mark else ""
