@@ -214,6 +214,37 @@ def test_token_windows_match_shards(stdlib_data):
     assert int(x.max()) < ds.vocab_size
 
 
+def _damaged_copy(src, dst, damage):
+    import shutil
+    shutil.copytree(src, dst)
+    shard = sorted(dst.glob("train_*.npy"))[0]
+    damage(shard, dst / "meta.json")
+    return shard
+
+
+@pytest.mark.parametrize("damage, match", [
+    (lambda shard, meta: os.truncate(shard, 1000), "{shard}: cannot open shard"),
+    (lambda shard, meta: shard.unlink(), "{shard}: cannot open shard"),
+    (lambda shard, meta: np.save(shard, np.zeros(10, np.int64)), "{shard}: int64\\[10\\] does not match meta.json"),
+    (lambda shard, meta: meta.write_text('{"vocab_size": 512}'), "{meta}: unreadable meta.json \\(KeyError"),
+])
+def test_damaged_data_is_one_line_naming_the_file(tmp_path, stdlib_data, damage, match):
+    shard = _damaged_copy(stdlib_data, tmp_path / "data", damage)
+    with pytest.raises(ConfigError, match=match.format(shard=shard, meta=tmp_path / "data" / "meta.json")) as e:
+        TokenWindows(tmp_path / "data", "train", 64)
+    assert "\n" not in str(e.value)
+
+
+def test_train_py_with_a_damaged_shard_exits_2_in_one_line(tmp_path, stdlib_data):
+    shard = _damaged_copy(stdlib_data, tmp_path / "data", lambda shard, meta: os.truncate(shard, 1000))
+    r = subprocess.run([sys.executable, "train.py", "configs/demo.yaml", f"data.dir={tmp_path / 'data'}",
+                        f"checkpoint.dir={tmp_path / 'run'}", "training.max_steps=2"],
+                       cwd=ROOT, capture_output=True, text=True)
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip() and "Warning" not in ln]
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert lines[-1] == f"train.py: error: {shard}: cannot open shard (mmap length is greater than file size)"
+
+
 # -- optimisers ------------------------------------------------------------------------------
 
 def _params(seed=0):

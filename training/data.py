@@ -9,6 +9,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from .config import ConfigError
+
 
 # The meta.json fields that fix the token stream: the shards (with their sha256) of both splits,
 # their dtype, the tokenizer and its special ids. Paths and the command that made them are left
@@ -34,28 +36,36 @@ class TokenWindows(Dataset):
 
     def __init__(self, data_dir: str | Path, split: str, seq_len: int):
         self.dir = Path(data_dir).expanduser()
-        meta = json.loads((self.dir / "meta.json").read_text())
+        meta_path = self.dir / "meta.json"
+        try:
+            meta = json.loads(meta_path.read_text())
+            self.vocab_size = int(meta["vocab_size"])
+            entries = [(self.dir / shard["file"], int(shard["tokens"]))
+                       for shard in meta["splits"][split]["shards"]]
+            dtype = str(meta["dtype"])
+        except OSError as e:
+            raise ConfigError(f"data.dir: cannot read {meta_path} ({e.strerror or e})") from None
+        except (ValueError, KeyError, TypeError) as e:
+            raise ConfigError(f"{meta_path}: unreadable meta.json ({type(e).__name__}: {e})") from None
         self.meta = meta
         self.seq_len = seq_len
-        self.vocab_size = int(meta["vocab_size"])
         self.eos_id = meta.get("eos_id")
         self.shards = []
         counts = []
-        for shard in meta["splits"][split]["shards"]:
-            path = self.dir / shard["file"]
+        for path, tokens in entries:
             try:
-                arr = np.load(path, mmap_mode="r")
+                arr = np.load(path, mmap_mode="r", allow_pickle=False)
             except (OSError, ValueError) as e:
-                raise ValueError(f"{path}: cannot open shard ({e})") from None
-            if arr.ndim != 1 or arr.shape[0] != shard["tokens"] or arr.dtype.name != meta["dtype"]:
-                raise ValueError(f"{path}: {arr.dtype.name}[{arr.shape[0]}] does not match meta.json "
-                                 f"({meta['dtype']}[{shard['tokens']}])")
+                raise ConfigError(f"{path}: cannot open shard ({e})") from None
+            if arr.ndim != 1 or arr.shape[0] != tokens or arr.dtype.name != dtype:
+                raise ConfigError(f"{path}: {arr.dtype.name}[{arr.shape[0]}] does not match meta.json "
+                                  f"({dtype}[{tokens}])")
             self.shards.append(arr)
             counts.append(max(0, (arr.shape[0] - 1) // seq_len))
         self.offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         if self.offsets[-1] == 0:
-            raise ValueError(f"{self.dir}: the {split} split has fewer than seq_len + 1 = "
-                             f"{seq_len + 1} tokens in every shard")
+            raise ConfigError(f"{self.dir}: the {split} split has fewer than seq_len + 1 = "
+                              f"{seq_len + 1} tokens in every shard")
 
     def __len__(self) -> int:
         return int(self.offsets[-1])
@@ -118,8 +128,8 @@ class DataStream:
         self.global_batch = batch_size * num_replicas
         self.usable = (len(dataset) // num_replicas) * num_replicas
         if self.usable < self.global_batch:
-            raise ValueError(f"the data has {len(dataset)} samples, fewer than one global batch "
-                             f"({batch_size} x {num_replicas} replicas)")
+            raise ConfigError(f"the data has {len(dataset)} samples, fewer than one global batch "
+                              f"(training.batch_size {batch_size} x {num_replicas} replicas)")
         self.sampler = ResumableSampler(dataset, num_replicas, rank, seed, shuffle=shuffle)
         self.loader_kwargs = dict(batch_size=batch_size, num_workers=num_workers, drop_last=True,
                                   pin_memory=pin_memory)
