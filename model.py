@@ -966,7 +966,10 @@ class NashMHC(nn.Module):
     @torch.no_grad()
     def generate(self, idx, max_new_tokens: int, temperature: float = 1.0, top_k: Optional[int] = None):
         """Append ``max_new_tokens`` sampled tokens to ``idx [B, T]`` (context cropped to
-        max_seq_len; temperature <= 0: greedy). Runs in eval mode and restores the mode."""
+        max_seq_len; temperature <= 0: greedy; ``top_k``: sample among the k likeliest tokens, None:
+        all of them). Runs in eval mode and restores the mode."""
+        if top_k is not None and top_k < 1:
+            raise ValueError(f"top_k={top_k}: expected at least 1, or None for all tokens")
         was_training = self.training
         self.eval()
         for _ in range(max_new_tokens):

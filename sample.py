@@ -38,15 +38,18 @@ def main(argv=None) -> int:
                     help="a ckpt_*.pt file, a ckpt_* (DCP) directory, or a run directory")
     ap.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
     ap.add_argument("--max-new-tokens", type=int, default=200)
-    ap.add_argument("--temperature", type=float, default=0.8)
-    ap.add_argument("--top-k", type=int, default=50)
+    ap.add_argument("--temperature", type=float, default=0.8, help="0: greedy (default: %(default)s)")
+    ap.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest tokens; 0: all of "
+                                                          "them (default: %(default)s)")
     ap.add_argument("--num-samples", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tokenizer", type=Path, help="tokenizer.json (default: from the config's data.dir)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args(argv)
-    if args.temperature <= 0:
-        ap.error("--temperature must be positive")
+    for flag, value, low in (("--temperature", args.temperature, 0), ("--top-k", args.top_k, 0),
+                             ("--max-new-tokens", args.max_new_tokens, 0), ("--num-samples", args.num_samples, 1)):
+        if not value >= low:  # also NaN
+            ap.error(f"{flag} must be at least {low}, got {value}")
     try:
         from tokenizers import Tokenizer
         model, cfg = load_model(args.checkpoint, args.device)
@@ -60,7 +63,7 @@ def main(argv=None) -> int:
     torch.manual_seed(args.seed)
     ids = tok.encode(args.prompt).ids or [0]
     idx = torch.tensor([ids] * args.num_samples, dtype=torch.long, device=args.device)
-    out = model.generate(idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k)
+    out = model.generate(idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None)
     for i, row in enumerate(out.tolist()):
         print(f"----- sample {i + 1} -----")
         print(tok.decode(row, skip_special_tokens=False))

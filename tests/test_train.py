@@ -39,6 +39,14 @@ def test_trains_logs_and_checkpoints(tmp_path, stdlib_data):
     assert "ckpt_00000020.pt" in r.stderr
     r = run(["sample.py", str(tmp_path / "nothing-here")])
     assert r.returncode == 2 and "Traceback" not in r.stderr and "nothing-here" in r.stderr
+    # temperature 0 is greedy: every sample is the same continuation
+    r = run(["sample.py", str(tmp_path / "run"), "--temperature", "0", "--top-k", "0", "--max-new-tokens", "8"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    first, second = r.stdout.split("----- sample 2 -----")
+    assert first.split("\n", 1)[1] == second.split("\n", 1)[1]
+    for flag, value in (("--top-k", "-5"), ("--num-samples", "0")):
+        r = run(["sample.py", str(tmp_path / "run"), flag, value])
+        assert r.returncode == 2 and "Traceback" not in r.stderr and f"{flag} must be at least" in r.stderr
 
 
 def test_exact_resume_after_sigterm(tmp_path, stdlib_data):
