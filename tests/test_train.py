@@ -252,6 +252,17 @@ def test_metrics_continue_cleanly_after_a_crash_and_a_fresh_start(tmp_path, stdl
     r = run(["train.py", str(cfg)])
     assert r.returncode == 0 and "resumed from" in r.stderr
     assert [m["step"] for m in metrics(run_dir)] == [1, 2, 3, 4, 5, 6]
+    # a run that does not continue the newest checkpoint is refused while checkpoints lie past
+    # its start: its saves would overwrite some of them, and auto would take the rest for its own
+    ckpts = sorted(run_dir.glob("ckpt_*.pt"))
+    for resume, start in (("none", 0), (str(ckpts[0]), 3)):
+        r = run(["train.py", str(cfg), f"checkpoint.resume={resume}"])
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+        assert (f"{run_dir} holds {len(ckpts) - (start > 0)} checkpoint(s) past step {start} (newest "
+                f"{ckpts[-1].name}) that checkpoint.resume={resume} would overwrite") in r.stderr
+        assert sorted(run_dir.glob("ckpt_*.pt")) == ckpts and [m["step"] for m in metrics(run_dir)] == [1, 2, 3, 4, 5, 6]
+    for p in ckpts:  # moved away: now the directory's metrics are all that is left of the old run
+        p.unlink()
     r = run(["train.py", str(cfg), "checkpoint.resume=none"])
     assert r.returncode == 0 and "is kept as metrics." in r.stderr
     assert [m["step"] for m in metrics(run_dir)] == [1, 2, 3, 4, 5, 6]

@@ -447,7 +447,12 @@ class Checkpointer:
         """``checkpoint.resume``: ``auto`` (the newest committed checkpoint in the run directory
         that passes ``peek_checkpoint``, if any), ``none``, or a path (an error if it does not
         load). The master first deletes unfinished saves in the run directory. Every process must
-        arrive at the same checkpoint (checked with one host-side collective)."""
+        arrive at the same checkpoint (checked with one host-side collective).
+
+        A run that does not continue the run directory's newest checkpoint (``none``, or a path to
+        an older one) is refused while the directory holds committed checkpoints past its start:
+        its saves would overwrite some of them and leave the others, which ``auto``, sample.py and
+        export_hf.py would then take for this run's newest."""
         if self.backend.is_master:
             for p in clean_uncommitted(self.run_dir):
                 self.log(f"removed {p}: an unfinished save")
@@ -458,11 +463,18 @@ class Checkpointer:
         else:
             path = Path(resume).expanduser()
             found = path, peek_checkpoint(path)
-        seen = f"{found[0].name}@{found[1]['step']}" if found else "none"
-        if not self.backend.all_equal(seen):
+        start = found[1]["step"] if found else 0
+        ahead = [p for s, p in list_checkpoints(self.run_dir) if s > start] if resume != "auto" else []
+        seen = f"{found[0].name}@{start}" if found else "none"
+        if not self.backend.all_equal(f"{seen} ahead:{ahead[-1].name if ahead else None}"):
             raise CheckpointError(f"{self.run_dir}: the processes see different checkpoints to "
                                   f"resume from (this one: {seen}); put checkpoint.dir on storage "
                                   "every host sees (a shared filesystem or a gcsfuse bucket)")
+        if ahead:
+            raise CheckpointError(
+                f"{self.run_dir} holds {len(ahead)} checkpoint(s) past step {start} (newest {ahead[-1].name}) "
+                f"that checkpoint.resume={resume} would overwrite or mix with this run's: use another "
+                "checkpoint.dir, move them away, or resume: auto")
         return found
 
     def restore(self, path: Path, peeked: dict, model, optimizer) -> None:

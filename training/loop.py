@@ -167,8 +167,7 @@ class Trainer:
                 self.log_line(
                     f"{ckpt_path} is at step {int(ckpt['step'])}: this run is done "
                     f"({self.max_steps:,} steps). Raise training.max_steps (or training.total_tokens) "
-                    "to train further, or set checkpoint.resume=none or another checkpoint.dir to "
-                    "start over.")
+                    "to train further, or use another checkpoint.dir to start over.")
                 self.finished = True
                 return
         self._log_start(model)
