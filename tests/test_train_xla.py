@@ -108,6 +108,26 @@ def test_exact_resume_after_sigterm(tmp_path, stdlib_data):
         assert abs(a[s] - b[s]) <= 1e-6, (s, a[s], b[s])
 
 
+@pytest.mark.parametrize("trainer", ["train.py", "train_xla.py"])
+def test_resume_with_dropout_is_exact(tmp_path, stdlib_data, trainer):
+    """Dropout masks continue where they were: the DataLoader no longer draws its worker seed from
+    the global RNG, and the XLA device's RNG is seeded from training.seed and checkpointed."""
+    over = {"model.dropout": 0.1, "training.max_steps": 8, "checkpoint.interval": 4, "checkpoint.keep": 5,
+            "evaluation.interval": 4}
+    ref, cut = tmp_path / "ref", tmp_path / "cut"
+    ref.mkdir(), cut.mkdir()
+    r = run([trainer, str(tiny_config(ref, stdlib_data, **over))])
+    assert r.returncode == 0, r.stderr[-3000:]
+    (cut / "run").mkdir()
+    shutil.copy(ref / "run" / "ckpt_00000004.pt", cut / "run" / "ckpt_00000004.pt")
+    r = run([trainer, str(tiny_config(cut, stdlib_data, **over))])
+    assert r.returncode == 0 and "resumed from" in r.stderr, r.stderr[-3000:]
+    a, b = losses(ref / "run"), losses(cut / "run")
+    assert sorted(b) == [5, 6, 7, 8]
+    for s in b:
+        assert abs(a[s] - b[s]) <= 1e-6, (s, a[s], b[s])
+
+
 @pytest.mark.parametrize("first, second", [("train_xla.py", "train.py"), ("train.py", "train_xla.py")])
 def test_checkpoints_move_between_trainers(tmp_path, stdlib_data, first, second):
     """Step 10 of one trainer's run, resumed by the other, continues the same curve."""

@@ -175,7 +175,10 @@ class DataStream:
         if self._left == 0:
             self.epoch, self.offset = self.advance(self.epoch, self.offset, 0)
             self.sampler.set_position(self.epoch, self.offset)
-            self._it = iter(DataLoader(self.dataset, sampler=self.sampler, **self.loader_kwargs))
+            # its own generator: a DataLoader iterator draws a seed for its workers, which from the
+            # global RNG would shift every later dropout mask of a resumed run by one draw
+            seeds = torch.Generator().manual_seed(self.sampler.seed + self.epoch)
+            self._it = iter(DataLoader(self.dataset, sampler=self.sampler, generator=seeds, **self.loader_kwargs))
             self._left = self.remaining(self.offset)
         batch = next(self._it)
         self._left -= 1
@@ -190,7 +193,8 @@ def eval_batches(dataset: Dataset, batch_size: int, steps: int, num_replicas: in
     """
     steps = max(1, min(steps, len(dataset) // (batch_size * num_replicas)))
     sampler = ResumableSampler(dataset, num_replicas, rank, seed=0, shuffle=False)
-    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True)
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True,
+                        generator=torch.Generator().manual_seed(0))  # leaves the global RNG as it is
     for i, batch in enumerate(loader):
         if i >= steps:
             break

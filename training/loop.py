@@ -144,6 +144,7 @@ class Trainer:
 
         # -- the model and the resume point ------------------------------------------------------
         seed_everything(t_cfg.seed)
+        backend.seed_device_rng(t_cfg.seed)
         model = NashMHC(cfg.model)  # same seed on every process: identical initial weights
         self.state = RunState()
         self.checkpointer = Checkpointer(self.run_dir, cfg.checkpoint.keep, backend, self.log_line,
@@ -232,6 +233,7 @@ class Trainer:
         """RNG, step, tokens, data position and counters from a checkpoint (the tensors are in)."""
         state = self.state
         set_rng_state(ckpt["rng"])
+        self.backend.seed_device_rng(self.cfg.training.seed, ckpt["rng"])
         state.step, state.tokens_seen = int(ckpt["step"]), int(ckpt["tokens_seen"])
         state.epoch, state.offset = int(ckpt["data"]["epoch"]), int(ckpt["data"]["offset"])
         state.nonfinite_total = int(ckpt.get("nonfinite", {}).get("total", 0))
@@ -363,7 +365,7 @@ class Trainer:
             "step": state.step,
             "tokens_seen": state.tokens_seen,
             "data": {"epoch": pos[0], "offset": pos[1]},
-            "rng": rng_state(),
+            "rng": {**rng_state(), **self.backend.device_rng()},
             "nonfinite": {"total": state.nonfinite_total},
             "config": self.cfg.to_dict(),
             "trainer": self.backend.name,
