@@ -404,6 +404,12 @@ def check(cfg: Config, path: Any = None) -> None:
         bad(f"training.weight_decay={t.weight_decay} must be >= 0")
     if not all(0 <= b < 1 for b in t.betas):
         bad(f"training.betas={list(t.betas)} must be in [0, 1)")
+    if t.eps <= 0:
+        bad(f"training.eps={t.eps} must be positive (a parameter whose gradient is 0 would get 0/0)")
+    if t.muon_lr <= 0:
+        bad(f"training.muon_lr={t.muon_lr} must be positive")
+    if not 0 <= t.muon_momentum < 1:
+        bad(f"training.muon_momentum={t.muon_momentum} must be in [0, 1)")
     if t.grad_clip < 0:
         bad(f"training.grad_clip={t.grad_clip} must be >= 0")
     if t.max_nonfinite_steps < 1:
