@@ -267,3 +267,15 @@ def test_metrics_continue_cleanly_after_a_crash_and_a_fresh_start(tmp_path, stdl
     assert r.returncode == 0 and "is kept as metrics." in r.stderr
     assert [m["step"] for m in metrics(run_dir)] == [1, 2, 3, 4, 5, 6]
     assert len(list(run_dir.glob("metrics.*.jsonl"))) == 1
+
+
+def test_resume_from_another_run_directory_takes_its_newest_checkpoint(tmp_path, stdlib_data):
+    a = tiny_config(tmp_path, stdlib_data, **{"training.max_steps": 4, "checkpoint.interval": 2,
+                                              "evaluation.interval": 0})
+    assert run(["train.py", str(a)]).returncode == 0
+    r = run(["train.py", str(a), f"checkpoint.dir={tmp_path / 'b'}", f"checkpoint.resume={tmp_path / 'run'}",
+             "training.max_steps=6"])
+    assert r.returncode == 0 and f"resumed from {tmp_path / 'run' / 'ckpt_00000004.pt'} at step 4" in r.stderr
+    assert [m["step"] for m in metrics(tmp_path / "b")] == [5, 6]
+    r = run(["train.py", str(a), f"checkpoint.dir={tmp_path / 'c'}", f"checkpoint.resume={tmp_path}"])
+    assert r.returncode == 2 and "no committed checkpoint in this run directory" in r.stderr

@@ -462,7 +462,13 @@ class Checkpointer:
             found = find_latest(self.run_dir, warn=self.log)
         else:
             path = Path(resume).expanduser()
-            found = path, peek_checkpoint(path)
+            if path.is_dir() and not is_dcp_dir(path):  # a run directory: its newest
+                found = find_latest(path, warn=self.log)
+                if found is None:
+                    raise CheckpointError(f"checkpoint.resume={resume}: no committed checkpoint in "
+                                          "this run directory, and not a checkpoint directory itself")
+            else:
+                found = path, peek_checkpoint(path)
         start = found[1]["step"] if found else 0
         ahead = [p for s, p in list_checkpoints(self.run_dir) if s > start] if resume != "auto" else []
         seen = f"{found[0].name}@{start}" if found else "none"

@@ -95,7 +95,7 @@ class CheckpointConfig:
     interval: int = _help("save every this many steps (0: only at the end and on SIGTERM)", default=500)
     keep: int = _help("complete checkpoints kept (oldest deleted first)", default=3)
     resume: str = _help("auto (newest committed checkpoint in dir, if any), none, or a checkpoint "
-                        "path (a ckpt_*.pt file or a ckpt_* directory)", default="auto")
+                        "path (a ckpt_*.pt file, a ckpt_* directory, or a run directory: its newest)", default="auto")
     async_: bool = _help("copy the state to host memory at the step and write it in a background "
                          "thread while training goes on (at most one save pending)", key="async",
                          default=False)
