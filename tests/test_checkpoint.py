@@ -181,6 +181,8 @@ def test_consolidate_writes_one_weights_only_file(tmp_path):
     assert r.returncode == 2 and "exists" in r.stderr  # never replaced silently
     r = run(["-m", "training.checkpoint", "consolidate", str(src), str(out), "--overwrite", "--model-only"])
     assert r.returncode == 0 and "optimizer" not in torch.load(out, weights_only=True)
+    r = run(["-m", "training.checkpoint", "consolidate", str(src), str(tmp_path), "--overwrite"])
+    assert r.returncode == 2 and "Traceback" not in r.stderr and f"{tmp_path}: is a directory" in r.stderr
 
 
 # -- a SIGKILL in the middle of an asynchronous write ---------------------------------------------

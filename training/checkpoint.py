@@ -374,6 +374,8 @@ def consolidate(src: str | Path, out: str | Path, model_only: bool = False,
     ``weights_only=True`` and resumable by either trainer (``model_only``: weights and metadata
     only, for sampling and export). Never replaces an existing file unless ``overwrite``."""
     out = Path(out)
+    if out.is_dir():
+        raise CheckpointError(f"{out}: is a directory (give the file to write, e.g. {out / 'model.pt'})")
     if out.exists() and not overwrite:
         raise CheckpointError(f"{out}: exists (pass --overwrite to replace it)")
     ckpt = load_checkpoint(src, with_optimizer=not model_only)
