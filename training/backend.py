@@ -93,7 +93,7 @@ class Backend:
         """End of a step: let the device run what was traced (XLA); a no-op elsewhere."""
 
     def mean_across(self, t: torch.Tensor) -> torch.Tensor:
-        """Mean of a tensor over replicas (logging only)."""
+        """Mean of a tensor over replicas (the logged metrics, and the loss the skip decision reads)."""
         return t
 
     def grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:

@@ -274,7 +274,9 @@ class Trainer:
         if t_cfg.grad_clip > 0:
             torch.nn.utils.clip_grads_with_norm_(self.params, t_cfg.grad_clip, grad_norm)
         loss = micro_losses[0] if accum == 1 else torch.stack(micro_losses).mean()
-        ok = torch.isfinite(loss) & torch.isfinite(grad_norm)
+        # skip or not: decided together, on the replicas' mean loss and the reduced gradients'
+        # norm (a loss that is not finite on one replica only must not skip the step there alone)
+        ok = torch.isfinite(backend.mean_across(loss)) & torch.isfinite(grad_norm)
         optimizer.found_inf = (~ok).float()
         optimizer.step()
         optimizer.zero_grad(set_to_none=not self.keep_grads)
