@@ -49,6 +49,17 @@ def _meta(step: int) -> dict:
             "rng": rng_state(), "nonfinite": {"total": 0}, "config": cfg.to_dict(), "trainer": "torch"}
 
 
+def test_a_save_that_failed_on_another_process_stops_this_one_too(tmp_path, monkeypatch):
+    model, opt, backend, ck = _setup(False, True, tmp_path / "run")
+    ck.save(_meta(2), model, opt, "test")
+    monkeypatch.setattr(backend, "any_process", lambda *flags: True)  # the master's write failed
+    with pytest.raises(CheckpointError, match="saving a checkpoint failed on another process"):
+        ck.wait()
+    with pytest.raises(CheckpointError, match="saving a checkpoint failed on another process"):
+        ck.save(_meta(4), model, opt, "test", wait=True)
+    ck.wait(quiet=True)  # on an error path: no agreement asked for, nothing raised
+
+
 @pytest.mark.parametrize("sharded, async_save", [(False, False), (True, False), (True, True)])
 def test_both_forms_save_and_load_the_same_dict(tmp_path, sharded, async_save):
     model, opt, backend, ck = _setup(sharded, async_save, tmp_path)

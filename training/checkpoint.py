@@ -572,17 +572,25 @@ class Checkpointer:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        if quiet and self._error is not None:
-            self.log(f"warning: the pending checkpoint save failed ({_first_line(self._error)})")
-            self._error = None
+        if quiet:  # on an error path, where the other processes may not be waiting with us
+            if self._error is not None:
+                self.log(f"warning: the pending checkpoint save failed ({_first_line(self._error)})")
+                self._error = None
+            return
         self._raise()
 
     def _raise(self) -> None:
-        if self._error is not None:
-            e, self._error = self._error, None
-            if isinstance(e, CheckpointError):
-                raise e
-            raise CheckpointError(f"{self.run_dir}: saving a checkpoint failed ({_first_line(e)})") from e
+        """Raise a failed save's error on every process, decided together (every process calls
+        this at the same points): a master that failed alone would exit while the others waited
+        for it in the next step's collectives."""
+        if not self.backend.any_process(self._error is not None):
+            return
+        e, self._error = self._error, None
+        if e is None:
+            raise CheckpointError(f"{self.run_dir}: saving a checkpoint failed on another process")
+        if isinstance(e, CheckpointError):
+            raise e
+        raise CheckpointError(f"{self.run_dir}: saving a checkpoint failed ({_first_line(e)})") from e
 
     def rotate(self, newest: int | None = None) -> list[Path]:
         """The master deletes committed checkpoints older than ``newest`` beyond ``keep``."""
