@@ -478,6 +478,9 @@ class Checkpointer:
             raise CheckpointError(f"{self.run_dir}: the processes see different checkpoints to "
                                   f"resume from (this one: {seen}); put checkpoint.dir on storage "
                                   "every host sees (a shared filesystem or a gcsfuse bucket)")
+        if found is not None and "optimizer" not in found[1]:
+            raise CheckpointError(f"{found[0]}: weights only (export_hf.py --import?): start a run "
+                                  "from it with checkpoint.init_from")
         if ahead:
             raise CheckpointError(
                 f"{self.run_dir} holds {len(ahead)} checkpoint(s) past step {start} (newest {ahead[-1].name}) "

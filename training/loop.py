@@ -150,9 +150,6 @@ class Trainer:
         self.checkpointer = Checkpointer(self.run_dir, cfg.checkpoint.keep, backend, self.log_line,
                                          async_save=cfg.checkpoint.async_)
         resumed = self.checkpointer.find(cfg.checkpoint.resume)
-        if resumed is not None and "optimizer" not in resumed[1]:
-            raise CheckpointError(f"{resumed[0]}: weights only (export_hf.py --import?): start a run "
-                                  "from it with checkpoint.init_from")
         if resumed is None and cfg.checkpoint.init_from:
             init_path, init = load_initial_weights(cfg.checkpoint.init_from, warn=self.log_line)
             check_resume_compatible(cfg, init, init_path)
