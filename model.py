@@ -528,28 +528,31 @@ class NashAttention(nn.Module):
 
     def aggregate(self, outs, start, hidden):
         """Fuse the scale outputs ``[B, H, T, D]`` into one, with stats; ``start``, ``hidden``
-        ``[T, L]``: ``nash_start`` of the scales' validity."""
-        outs32 = [o.float() for o in outs]
-        # On XLA one [L, D] tensor per token: batched products, a much smaller graph. Not under
-        # torch.compile: its step got slower with them (bench/model.py: nash-only 1.21x -> 1.54x).
-        if outs32[0].device.type == "xla":
-            outs32 = torch.stack(outs32, dim=-2)                  # [B, H, T, L, D]
-        if self.aggregation == "nash":
-            tau = self.log_tau.float().exp().view(-1, 1, 1)       # per head
-            w = nash_rounds(scale_gram(outs32), start, hidden, tau, self.iters)   # [B, H, T, L]
-        elif self.aggregation == "convex":
-            w = torch.softmax(self.agg_logits.float() + hidden, dim=-1)
-        else:
-            w = start
-        if isinstance(outs32, torch.Tensor):
-            o = (w.unsqueeze(-2) @ outs32).squeeze(-2).to(outs[0].dtype)
-        else:
-            o = sum(w[..., l, None] * o_l for l, o_l in enumerate(outs32)).to(outs[0].dtype)
-        with torch.no_grad():
-            # one mean over the tokens and heads of [entropy, w_0, ..., w_{L-1}]
-            entropy = -(w * w.clamp_min(1e-30).log()).sum(dim=-1, keepdim=True)
-            stats = torch.cat([entropy, w], dim=-1).reshape(-1, self.scales + 1).mean(dim=0)
-        return o, stats
+        ``[T, L]``: ``nash_start`` of the scales' validity.
+        The game runs in fp32 under autocast too: its weights at a small temperature move by
+        several hundredths when the Gram products are rounded to bf16."""
+        with torch.autocast(device_type=outs[0].device.type, enabled=False):
+            outs32 = [o.float() for o in outs]
+            # On XLA one [L, D] tensor per token: batched products, a much smaller graph. Not under
+            # torch.compile: its step got slower with them (bench/model.py: nash-only 1.21x -> 1.54x).
+            if outs32[0].device.type == "xla":
+                outs32 = torch.stack(outs32, dim=-2)                  # [B, H, T, L, D]
+            if self.aggregation == "nash":
+                tau = self.log_tau.float().exp().view(-1, 1, 1)       # per head
+                w = nash_rounds(scale_gram(outs32), start, hidden, tau, self.iters)   # [B, H, T, L]
+            elif self.aggregation == "convex":
+                w = torch.softmax(self.agg_logits.float() + hidden, dim=-1)
+            else:
+                w = start
+            if isinstance(outs32, torch.Tensor):
+                o = (w.unsqueeze(-2) @ outs32).squeeze(-2).to(outs[0].dtype)
+            else:
+                o = sum(w[..., l, None] * o_l for l, o_l in enumerate(outs32)).to(outs[0].dtype)
+            with torch.no_grad():
+                # one mean over the tokens and heads of [entropy, w_0, ..., w_{L-1}]
+                entropy = -(w * w.clamp_min(1e-30).log()).sum(dim=-1, keepdim=True)
+                stats = torch.cat([entropy, w], dim=-1).reshape(-1, self.scales + 1).mean(dim=0)
+            return o, stats
 
 
 class FeedForward(nn.Module):
@@ -747,10 +750,12 @@ class HyperConnection(nn.Module):
         return h_pre, h_post, h_res
 
     def read(self, h):
-        """The sub-layer input ``H_pre h [B, T, C]`` (fp32) and the coefficients ``write`` needs."""
+        """The sub-layer input ``H_pre h [B, T, C]`` and the coefficients ``write`` needs. The sum
+        is fp32; it is handed on in the parameters' dtype (fp32 under autocast, bf16 in a model
+        cast to bf16, whose Linears take bf16 only)."""
         h_pre, h_post, h_res = self.coefficients(h)
         with torch.autocast(device_type=h.device.type, enabled=False):
-            return stream_read(h_pre, h), (h_post, h_res)
+            return stream_read(h_pre, h).to(self.phi.weight.dtype), (h_post, h_res)
 
     def write(self, h, y, coef):
         """``H_res h + H_post^T y`` for the sub-layer output ``y [B, T, C]``, in fp32 even under
@@ -761,7 +766,8 @@ class HyperConnection(nn.Module):
 
 
 class StreamCollapse(nn.Module):
-    """Before the final norm: ``x = sum_i w_i h_i`` (fp32) with per-token ``w = sigmoid(.) >= 0``."""
+    """Before the final norm: ``x = sum_i w_i h_i`` (in fp32, handed on in the parameters' dtype) with
+    per-token ``w = sigmoid(.) >= 0``."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -780,7 +786,7 @@ class StreamCollapse(nn.Module):
         with torch.autocast(device_type=h.device.type, enabled=False):
             z = normed_projection(h.flatten(-2), self.phi.weight.float(), self.eps)
             w = torch.sigmoid(self.alpha.float() * z + self.bias.float())
-            return stream_read(w, h)
+            return stream_read(w, h).to(self.phi.weight.dtype)   # as in HyperConnection.read
 
 
 def _mean_diagonal(m):

@@ -161,7 +161,14 @@ def test_bf16_export(tmp_path, stdlib_data):
     with torch.no_grad():
         rounded = ours.to(torch.bfloat16).float()  # the exported weights, in fp32
         rounded.init_buffers()  # rotary tables in fp32, as from_pretrained builds them
-        assert (hf(x).logits - rounded(x).logits).abs().max() <= 1e-4
+        ref = rounded(x).logits
+        assert (hf(x).logits - ref).abs().max() <= 1e-4
+        # loaded as saved (transformers 5 keeps the checkpoint's dtype), it runs in bf16
+        low = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", trust_remote_code=True)
+        assert low.dtype == torch.bfloat16
+        logits = low(x).logits
+        assert logits.dtype == torch.bfloat16
+        assert (logits.float() - ref).abs().max() <= 0.03 * ref.abs().max()
 
 
 def test_export_from_a_sharded_checkpoint(tmp_path, stdlib_data, capsys):
