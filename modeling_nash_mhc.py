@@ -118,7 +118,10 @@ class NashMHCForCausalLM(PreTrainedModel, GenerationMixin):
                     raise ValueError("attention_mask masks every token")
         loss = None
         if labels is not None:
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size)
+            # num_items_in_batch: the Trainer's token count over all accumulated micro-batches (a sum
+            # divided by it, not a mean): without it, gradient accumulation would scale the loss.
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size,
+                                      num_items_in_batch=kwargs.get("num_items_in_batch"))
         return CausalLMOutput(loss=loss, logits=logits)
 
     def prepare_inputs_for_generation(self, input_ids, attention_mask=None, **kwargs):
