@@ -171,32 +171,47 @@ def test_bf16_export(tmp_path, stdlib_data):
         assert (logits.float() - ref).abs().max() <= 0.03 * ref.abs().max()
 
 
+TRAINER = """
+import json, sys
+import torch
+from transformers import Trainer, TrainerCallback, TrainingArguments
+from modeling_nash_mhc import NashMHCConfig, NashMHCForCausalLM
+
+config, out = json.loads(sys.argv[1]), sys.argv[2]
+torch.manual_seed(0)
+model = NashMHCForCausalLM(NashMHCConfig(**config))
+x = torch.randint(0, config["vocab_size"], (4, 24), generator=torch.Generator().manual_seed(1))
+with torch.no_grad():
+    true = model(input_ids=x, labels=x).loss.item()
+seen = {}
+
+class Logged(TrainerCallback):
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if "loss" in logs:
+            seen.setdefault(args.gradient_accumulation_steps, []).append(logs["loss"])
+
+for accumulate in (1, 2, 4):
+    args = TrainingArguments(output_dir=f"{out}/ga{accumulate}", max_steps=1, learning_rate=0.0,
+                             per_device_train_batch_size=4 // accumulate,
+                             gradient_accumulation_steps=accumulate, logging_steps=1, report_to=[],
+                             save_strategy="no", use_cpu=True, disable_tqdm=True, optim="sgd")
+    Trainer(model=model, args=args, train_dataset=[{"input_ids": r, "labels": r} for r in x],
+            callbacks=[Logged()]).train()
+print(json.dumps({"true": true, "seen": seen}))
+"""
+
+
 def test_hf_trainer_loss_is_the_token_mean_with_gradient_accumulation(tmp_path):
     """transformers' Trainer sees ``**kwargs`` in our forward, so it passes the token count of all
     accumulated micro-batches and does not divide the loss by the accumulation steps itself: the
-    loss it logs (learning rate 0) is the batch's mean loss however the batch is split."""
-    from transformers import Trainer, TrainerCallback, TrainingArguments
-    from modeling_nash_mhc import NashMHCConfig, NashMHCForCausalLM
-
-    torch.manual_seed(0)
-    model = NashMHCForCausalLM(NashMHCConfig(**{**TINY, **NASH_LITE}))
-    x = tokens(4, 24)
-    with torch.no_grad():
-        true = model(input_ids=x, labels=x).loss.item()
-
-    class Logged(TrainerCallback):
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            seen.extend([logs["loss"]] if "loss" in logs else [])
-
-    for accumulate in (1, 2, 4):
-        seen = []
-        args = TrainingArguments(output_dir=str(tmp_path / f"ga{accumulate}"), max_steps=1, learning_rate=0.0,
-                                 per_device_train_batch_size=4 // accumulate,
-                                 gradient_accumulation_steps=accumulate, logging_steps=1, report_to=[],
-                                 save_strategy="no", use_cpu=True, disable_tqdm=True, optim="sgd")
-        Trainer(model=model, args=args, train_dataset=[{"input_ids": r, "labels": r} for r in x],
-                callbacks=[Logged()]).train()
-        assert seen == [pytest.approx(true, rel=1e-4)], (accumulate, seen, true)
+    loss it logs (learning rate 0) is the batch's mean loss however the batch is split. In its own
+    process with USE_TORCH_XLA=0: in this one torch_xla is imported, and the Trainer would pick an
+    XLA device (what a TPU user gets; the CPU path is what this test is about)."""
+    r = subprocess.run([sys.executable, "-c", TRAINER, json.dumps({**TINY, **NASH_LITE}), str(tmp_path)],
+                       cwd=ROOT, env={**ENV, "USE_TORCH_XLA": "0"}, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["seen"] == {str(a): [pytest.approx(got["true"], rel=1e-4)] for a in (1, 2, 4)}, got
 
 
 def test_export_from_a_sharded_checkpoint(tmp_path, stdlib_data, capsys):
