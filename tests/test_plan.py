@@ -335,3 +335,19 @@ def test_plan_command_line(tmp_path):
     assert "8 replica(s)" in r.stdout and "$" in r.stdout
     steps = int(re.search(r"steps\s+([\d,]+)", r.stdout).group(1).replace(",", ""))
     assert steps == 2_500_000_000 // (32 * 4 * 1024 * 8)  # total_tokens / (batch x accumulation x seq x replicas)
+
+
+@pytest.mark.parametrize("accel, nprocs, replicas", [
+    ("v4-8", None, 4), ("v5p-16", None, 8),          # the number counts TensorCores: two per chip
+    ("v5litepod-16", None, 16), ("v6e-8", None, 8),  # one core per chip
+    ("v6e-8", 1, 1), (None, None, 1),                # xla.nprocs=1, or no TPU here
+])
+def test_xla_ddp_plans_one_replica_per_chip_of_the_slice(monkeypatch, tmp_path, accel, nprocs, replicas):
+    """train_xla.py in ddp mode with xla.nprocs null spawns a process per chip on every host of the
+    slice: --plan counts the slice's chips from its accelerator type, as the run will."""
+    monkeypatch.setattr(P, "tpu_accelerator_type", lambda: accel)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("training: {max_steps: 1}\n")
+    over = [] if nprocs is None else [f"xla.nprocs={nprocs}"]
+    layout = P.layout_for(load_config(cfg, over), "xla", None)
+    assert layout.mode == "ddp" and layout.chips == layout.replicas == replicas

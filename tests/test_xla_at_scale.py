@@ -83,7 +83,8 @@ out["tp_split"] = tp_groups_across_hosts(mesh, {0, 2, 4, 6})
 errors = {}
 for name, over in {"batch": ["training.batch_size=6", "xla.mesh.data=2", "xla.mesh.fsdp=2"],
                    "dcn": ["xla.mesh.data=4", "xla.mesh.dcn_data=2"],
-                   "devices": ["xla.mesh.fsdp=3"]}.items():
+                   "devices": ["xla.mesh.fsdp=3"],
+                   "scan_dropout": ["xla.scan_layers=true", "model.dropout=0.1"]}.items():
     cfg = load_config(sys.argv[1], ["xla.mode=spmd", *over])
     try:
         XLABackend(cfg)
@@ -104,6 +105,12 @@ try:
 except ZeroDivisionError:
     out["raised"] = True
 out["seen"] = seen
+# on a TPU slice in SPMD (the default device is the virtual SPMD:0, which has no kind): the
+# accelerator type names the chip, for the log line and MFU
+import os
+os.environ["TPU_ACCELERATOR_TYPE"] = "v5litepod-4"
+xr.device_type = lambda: "TPU"
+out["tpu"] = [backend.device_name(), backend.peak_flops()]
 print("REPORT " + json.dumps(out))
 """
 
@@ -125,7 +132,10 @@ def test_launch_checks_refuse_in_one_line_before_compiling(tmp_path, stdlib_data
                                  "divide over xla.mesh data x fsdp = 2 x 2 = 4 devices")
     assert e["dcn"].startswith("xla.mesh.dcn_data=2: multi-slice meshes need TPU slices")
     assert e["devices"] == "xla.mesh: data x fsdp x tp = 1 x 3 x 1 = 3, but there are 4 devices"
+    assert e["scan_dropout"].startswith("xla.scan_layers=true with model.dropout=0.1: torch_xla's scan "
+                                        "cannot run dropout")
     assert all("\n" not in v for v in e.values())
+    assert out["tpu"] == ["TPU v5 lite (4 device(s), spmd mesh (4, 1, 1))", 197e12]
     assert out["seen"] == [[[0.0, 2.0, 4.0], "x", False]] and out.get("raised")
     # and from the command line: exit 2, one line, no traceback, nothing compiled
     r = run(["train_xla.py", str(cfg), "xla.mode=spmd", "xla.mesh.data=4", "training.batch_size=6"], env=SPMD)

@@ -472,7 +472,8 @@ def main(argv: list[str] | None, make_backend, prog: str, entry: str = "torch") 
     plan.add_argument("--device-kind", help="v6e, v5p, v5e, v4 (train_xla.py); h100, h200, a100, "
                                             "a100-40 (train.py); cpu (default: the accelerator here)")
     plan.add_argument("--mfu", default="0.4", help="assumed model FLOPs utilisation (default 0.4)")
-    plan.add_argument("--world-size", help="replicas (train.py, ddp): default WORLD_SIZE or 1")
+    plan.add_argument("--world-size", help="replicas in ddp mode: default WORLD_SIZE or 1 for train.py; "
+                      "xla.nprocs, else the TPU slice's chips, else 1 for train_xla.py")
     plan.add_argument("--margin", default="0.1", help="share of the chip's memory kept free (default 0.1)")
     plan.add_argument("--usd-per-chip-hour", help="price, to turn chip-hours into dollars")
     args = parser.parse_intermixed_args(argv)

@@ -122,9 +122,9 @@ def _present_device_kind(entry: str) -> str:
                 return kind
         raise ConfigError(f"the GPU here ({name}) is not one the planner knows: pass --device-kind")
     if entry == "xla":
-        accel = _tpu_accelerator_type()
+        accel = tpu_accelerator_type()
         if accel:
-            kind = _TPU_TYPE.get(accel.split("-")[0])
+            kind = tpu_generation(accel)
             if kind:
                 return kind
             raise ConfigError(f"TPU accelerator type {accel!r} is not one the planner knows: pass --device-kind")
@@ -132,7 +132,22 @@ def _present_device_kind(entry: str) -> str:
                       f"({', '.join(DEVICES)})")
 
 
-def _tpu_accelerator_type() -> Optional[str]:
+def tpu_generation(accelerator_type: str) -> Optional[str]:
+    """'v5litepod-16' -> 'v5e', 'v4-8' -> 'v4'; None for a type the planner does not know."""
+    return _TPU_TYPE.get(accelerator_type.split("-")[0])
+
+
+def tpu_chips(accelerator_type: str) -> Optional[int]:
+    """Chips in a slice from its accelerator type: the number counts TensorCores on v4 and v5p
+    (two per chip, one megacore device) and chips on v5e and v6e (one core each)."""
+    kind = tpu_generation(accelerator_type)
+    count = accelerator_type.rsplit("-", 1)[-1]
+    if kind is None or not count.isdigit():
+        return None
+    return int(count) // 2 if kind in ("v4", "v5p") else int(count)
+
+
+def tpu_accelerator_type() -> Optional[str]:
     """'v6e-8', 'v4-8', ...: TPU_ACCELERATOR_TYPE, else the TPU VM's metadata (as torch_xla's
     ``_internal/tpu.py`` reads it), only where a TPU device file exists."""
     if os.environ.get("TPU_ACCELERATOR_TYPE"):
@@ -194,7 +209,9 @@ def layout_for(cfg: Config, entry: str, world_size: Optional[int]) -> Layout:
                       zero=cfg.xla.shard_optimizer_over_data and m.data > 1)
     if world_size is None:
         if entry == "xla":
-            world_size = cfg.xla.nprocs or 1
+            # xmp.spawn with xla.nprocs null: one process per chip of the slice, on every host
+            accel = None if cfg.xla.nprocs else tpu_accelerator_type()
+            world_size = cfg.xla.nprocs or (accel and tpu_chips(accel)) or 1
         else:
             world_size = int(os.environ.get("WORLD_SIZE", 1))
     return Layout(entry, "ddp", {"data": world_size, "fsdp": 1, "tp": 1}, world_size, world_size,

@@ -327,6 +327,12 @@ class XLABackend(Backend):
     name = "xla"
 
     def __init__(self, cfg):
+        if cfg.xla.scan_layers and cfg.model.dropout > 0:
+            # torch_xla 2.9's scan cannot carry the body's random masks: it fails while lowering
+            # the loop ("Dynamic update slice ... PRED vs F32"), after a minute of tracing
+            raise ConfigError(f"xla.scan_layers=true with model.dropout={cfg.model.dropout}: torch_xla's "
+                              "scan cannot run dropout inside the scanned blocks; set model.dropout=0 "
+                              "or xla.scan_layers=false")
         self.cfg = cfg
         self.spmd = cfg.xla.mode == "spmd"
         self.mesh = None
@@ -559,8 +565,22 @@ class XLABackend(Backend):
     def n_devices(self) -> int:
         return xr.global_runtime_device_count() if self.spmd else self.world_size
 
+    @functools.cached_property
+    def tpu_kind(self) -> str | None:
+        """"TPU v4", "TPU v5 lite", ... (``xm.xla_device_kind``'s names); None off TPU. In SPMD the
+        default device is the virtual SPMD:0, which has no kind: the slice's accelerator type
+        (TPU_ACCELERATOR_TYPE or the TPU VM's metadata) names the generation instead."""
+        if xr.device_type() != "TPU":
+            return None
+        if not self.spmd:
+            return xm.xla_device_kind()
+        from .plan import DEVICES, tpu_accelerator_type, tpu_generation
+        accel = tpu_accelerator_type()
+        kind = accel and tpu_generation(accel)
+        return DEVICES[kind].name if kind else f"TPU ({accel or 'unknown accelerator type'})"
+
     def device_name(self) -> str:
-        kind = xm.xla_device_kind() if xr.device_type() == "TPU" else xr.device_type() or "XLA"
+        kind = self.tpu_kind or xr.device_type() or "XLA"
         mode = f"spmd mesh {tuple(self.mesh.mesh_shape)}" if self.spmd else "ddp"
         return f"{kind} ({self.n_devices} device(s), {mode})"
 
@@ -573,9 +593,7 @@ class XLABackend(Backend):
 
     def peak_flops(self) -> float | None:
         """Dense bf16 peak of one chip, from the device kind ("TPU v4", "TPU v5 lite", ...)."""
-        if xr.device_type() != "TPU":
-            return None
-        return peak_flops_for(xm.xla_device_kind())
+        return peak_flops_for(self.tpu_kind) if self.tpu_kind else None
 
     def log_extras(self) -> dict:
         c = xla_counters()
