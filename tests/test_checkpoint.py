@@ -296,3 +296,58 @@ def test_host_group_decisions_are_the_same_everywhere(tmp_path):
     for rank in (0, 1):
         res = json.loads((tmp_path / f"{rank}.json").read_text())
         assert res == {"any": [True, False, True], "equal": True, "differ": False, "size": 2}
+
+
+def _find_in(rank, store_path, dirs, out_dir):
+    """Checkpointer.find on two processes whose checkpoint.dir is ``dirs[rank]``."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    from training.distributed import HostGroup, new_gloo_group
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=2)
+    host = HostGroup(new_gloo_group())
+    backend = SimpleNamespace(host=host, is_master=rank == 0, checkpoint_format="file",
+                              all_equal=host.all_equal)
+    try:
+        found = Checkpointer(dirs[rank], keep=1, backend=backend, log=lambda m: None).find("auto")
+        res = {"found": found and str(found[0])}
+    except CheckpointError as e:
+        res = {"error": str(e)}
+    (Path(out_dir) / f"{rank}.json").write_text(json.dumps(res))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared", "host-local"])
+def test_a_checkpoint_dir_the_hosts_do_not_share_is_refused_by_all(tmp_path, shared):
+    """Two hosts with a local checkpoint.dir each, both empty: they agree on 'nothing to resume',
+    then every save would leave the master's directory without the other host's shards. find()
+    refuses on both processes, in one line, before anything trains; a shared one passes and
+    leaves no probe behind."""
+    import torch.multiprocessing as mp
+    dirs = [str(tmp_path / "run")] * 2 if shared else [str(tmp_path / "host0"), str(tmp_path / "host1")]
+    mp.spawn(_find_in, args=(str(tmp_path / "store"), dirs, str(tmp_path)), nprocs=2)
+    res = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in (0, 1)]
+    if shared:
+        assert res == [{"found": None}] * 2
+        assert list((tmp_path / "run").iterdir()) == []
+    else:
+        for rank in (0, 1):  # each names the directory it was given
+            assert res[rank]["error"] == (
+                f"checkpoint.dir={dirs[rank]}: process(es) 1 do not see the files process 0 writes there: "
+                "put it on storage every host mounts (a shared filesystem or a gcsfuse bucket), at the same path")
+        assert list((tmp_path / "host0").iterdir()) == [] and not (tmp_path / "host1").exists()
+
+
+def test_checkpoints_of_which_none_loads_are_refused_not_restarted_over(tmp_path):
+    """resume: auto over a run directory whose committed checkpoints all fail to load: starting
+    from step 0 would save new checkpoints among them under the same names. Refused; nothing
+    is deleted."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    for step in (4, 8):
+        (run_dir / f"ckpt_{step:08d}.pt").write_bytes(b"not a checkpoint")
+    ckpt = _setup(False, run_dir=run_dir)[3]
+    with pytest.raises(CheckpointError, match="holds committed checkpoints and none of them loads") as e:
+        ckpt.find("auto")
+    assert "\n" not in str(e.value)
+    assert sorted(p.name for p in run_dir.iterdir()) == ["ckpt_00000004.pt", "ckpt_00000008.pt"]

@@ -40,6 +40,7 @@ import os
 import pickle
 import random
 import re
+import secrets
 import shutil
 import sys
 import threading
@@ -454,7 +455,12 @@ class Checkpointer:
         A run that does not continue the run directory's newest checkpoint (``none``, or a path to
         an older one) is refused while the directory holds committed checkpoints past its start:
         its saves would overwrite some of them and leave the others, which ``auto``, sample.py and
-        export_hf.py would then take for this run's newest."""
+        export_hf.py would then take for this run's newest.
+
+        With several processes, ``checkpoint.dir`` must be one directory for all of them (a DCP
+        save writes every process's shards there, the master commits): checked first, with a
+        file the master writes and every process reads back."""
+        self._check_shared()
         if self.backend.is_master:
             for p in clean_uncommitted(self.run_dir):
                 self.log(f"removed {p}: an unfinished save")
@@ -462,6 +468,11 @@ class Checkpointer:
             found = None
         elif resume == "auto":
             found = find_latest(self.run_dir, warn=self.log)
+            if found is None and list_checkpoints(self.run_dir):
+                # starting over would save new checkpoints among the old ones under the same names
+                raise CheckpointError(
+                    f"{self.run_dir} holds committed checkpoints and none of them loads (the warnings "
+                    "above say why): move them away, or set checkpoint.resume to a checkpoint that loads")
         else:
             path = Path(resume).expanduser()
             if path.is_dir() and not is_dcp_dir(path):  # a run directory: its newest
@@ -487,6 +498,41 @@ class Checkpointer:
                 f"that checkpoint.resume={resume} would overwrite or mix with this run's: use another "
                 "checkpoint.dir, move them away, or resume: auto")
         return found
+
+    def _check_shared(self) -> None:
+        """Refuse, on every process together, a ``checkpoint.dir`` that some process does not see
+        as the master does (a local disk on each host instead of a shared filesystem or bucket):
+        its saves would be missing the other hosts' shards, and resume would differ per host."""
+        host = self.backend.host
+        if host.size == 1:
+            return
+        token = ""
+        if self.backend.is_master:
+            token = secrets.token_hex(8)
+            try:
+                self.run_dir.mkdir(parents=True, exist_ok=True)
+                for old in self.run_dir.glob(".shared-probe-*"):  # left by a run killed here
+                    old.unlink(missing_ok=True)
+                atomic_write_json({"token": token}, self.run_dir / f".shared-probe-{token}")
+            except OSError as e:  # said on every process: the others wait in the gather below
+                token = f"!{_first_line(e)}"
+        token = host.all_gather_text(token)[0]  # after the master's write, on every process
+        if token.startswith("!"):
+            raise CheckpointError(f"checkpoint.dir={self.run_dir}: process 0 cannot write there: {token[1:]}")
+        probe = self.run_dir / f".shared-probe-{token}"
+        try:
+            seen = json.loads(probe.read_text()).get("token") == token
+        except (OSError, ValueError):
+            seen = False
+        seen_by = host.all_gather_text("1" if seen else "0")
+        if self.backend.is_master:
+            probe.unlink(missing_ok=True)
+        blind = [str(rank) for rank, s in enumerate(seen_by) if s != "1"]
+        if blind:
+            raise CheckpointError(
+                f"checkpoint.dir={self.run_dir}: process(es) {', '.join(blind)} do not see the files "
+                "process 0 writes there: put it on storage every host mounts (a shared filesystem "
+                "or a gcsfuse bucket), at the same path")
 
     def restore(self, path: Path, peeked: dict, model, optimizer) -> None:
         """Load the tensors of a ``find`` result into the live (placed, sharded) model and

@@ -78,7 +78,7 @@ class HostGroup:
         if self.group is None:
             return [data.decode(errors="replace")]
         mine = torch.zeros(size, dtype=torch.uint8)
-        mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        mine[:len(data)] = torch.tensor(list(data), dtype=torch.uint8)  # frombuffer refuses b""
         everyone = [torch.empty_like(mine) for _ in range(self.size)]
         dist.all_gather(everyone, mine, group=self.group)
         return [bytes(t.tolist()).rstrip(b"\0").decode(errors="replace") for t in everyone]
