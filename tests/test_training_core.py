@@ -1,4 +1,5 @@
 """The shared training core, piece by piece: schedule, config, data order, optimisers, checkpoints."""
+import json
 import math
 import os
 import pickle
@@ -70,6 +71,7 @@ def test_config_unknown_section(tmp_path):
     ("training: {max_steps: 3, eps: 0}", "training.eps=0.0 must be positive"),
     ("training: {max_steps: 3, muon_lr: -0.1}", "training.muon_lr=-0.1 must be positive"),
     ("training: {max_steps: 3, muon_momentum: 1}", "training.muon_momentum=1.0 must be in"),
+    ("training: {max_steps: 3}\nlogging: {peak_flops: -1}", "logging.peak_flops=-1.0 must be a positive"),
     ("training: {max_steps: 3}\ndata: {seq_len: 4096}", "data.seq_len=4096 is above model.max_seq_len"),
     ("training: {}", "exactly one of training.max_steps and training.total_tokens"),
     ("training: {max_steps: 3}\nmodel: {d_model: 100, n_heads: 3}", "model.d_model"),
@@ -102,6 +104,36 @@ def test_string_keys_take_an_override_as_written(tmp_path):
     assert cfg.logging.wandb.run_name is None and cfg.training.max_steps == 16 and cfg.checkpoint.dir == "0100"
     with pytest.raises(ConfigError, match="^model: expected a mapping of keys, got 5$"):
         load_config(None, ["model=5", "training.max_steps=3"])
+    # a '#' in a path is part of it (YAML would cut a comment off); quoted text is YAML's
+    cfg = load_config(p, ["checkpoint.dir=runs/lr sweep #3", "logging.wandb.run_name='a #1'"])
+    assert (cfg.checkpoint.dir, cfg.logging.wandb.run_name) == ("runs/lr sweep #3", "a #1")
+
+
+def test_string_keys_in_a_file_are_the_text_written(tmp_path):
+    """The same in a config file: a plain scalar YAML reads as a number or a boolean is, for a
+    string key, the text in the file; number keys still read numbers (and 1e9, which YAML 1.1
+    leaves a string without a dot)."""
+    p = write(tmp_path, "training: {total_tokens: 2.5e9, batch_size: 1e1, warmup_steps: 0x10}\n"
+                        "data: {dir: 0100}\ncheckpoint: {dir: 1_000}\n"
+                        "logging: {wandb: {run_name: 2024_01, entity: yes, enabled: yes}}\n")
+    cfg = load_config(p)
+    assert (cfg.training.total_tokens, cfg.training.batch_size, cfg.training.warmup_steps) == (2_500_000_000, 10, 16)
+    assert (cfg.data.dir, cfg.checkpoint.dir) == ("0100", "1_000")
+    assert (cfg.logging.wandb.run_name, cfg.logging.wandb.entity, cfg.logging.wandb.enabled) == ("2024_01", "yes", True)
+    assert load_config(p, ["training.total_tokens=null", "training.max_steps=1e3"]).training.max_steps == 1000
+    with pytest.raises(ConfigError, match="training.max_steps: expected int or null, got '1.5e3x'"):
+        load_config(p, ["training.total_tokens=null", "training.max_steps=1.5e3x"])
+
+
+@pytest.mark.parametrize("text, line, key", [
+    ("training: {max_steps: 3}\ntraining: {batch_size: 2}\n", 2, "training"),
+    ("training:\n  max_steps: 3\n  batch_size: 2\n  max_steps: 4\n", 4, "max_steps"),
+])
+def test_a_key_given_twice_is_an_error_naming_the_line(tmp_path, text, line, key):
+    """PyYAML keeps the last of two equal keys without a word: half a section would vanish."""
+    p = write(tmp_path, text)
+    with pytest.raises(ConfigError, match=f"^{p}: line {line} invalid YAML \\(duplicate key '{key}'\\)$"):
+        load_config(p)
 
 
 def test_config_that_is_not_text_is_one_line(tmp_path):
@@ -372,3 +404,83 @@ def test_checkpoint_with_pickled_code_is_refused(tmp_path):
     torch.save({"format_version": 1, "model": {}, "payload": Evil()}, p)
     with pytest.raises(CheckpointError, match="not a loadable checkpoint"):
         load_checkpoint(p)
+
+
+# -- logs: metrics.jsonl and TensorBoard across resumes and fresh starts -------------------------
+
+def _monitor(run_dir, start_step, **over):
+    from training.monitor import Monitor
+    cfg = load_config(None, ["training.max_steps=6", "logging.progress_bar=false", "logging.tensorboard=true",
+                             *(f"{k}={v}" for k, v in over.items())])
+    return Monitor(cfg, run_dir, True, 6, start_step)
+
+
+def _tb_losses(tb_dir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(str(tb_dir))
+    acc.Reload()
+    return {e.step: e.value for e in acc.Scalars("loss")}
+
+
+def test_resumed_logs_keep_the_checkpoint_step_and_redo_the_rest(tmp_path):
+    """A run logs steps 1-6 and dies; its checkpoint is at step 3. The resumed run logs 4-6 again:
+    metrics.jsonl and TensorBoard (as its reader purges) hold 1-3 from the first run, 4-6 from the
+    second, each step once."""
+    m = _monitor(tmp_path, 0)
+    for step in range(1, 7):
+        m.log(step, {"loss": float(step)})
+    m.close()
+    m = _monitor(tmp_path, 3)
+    for step in range(4, 7):
+        m.log(step, {"loss": 10.0 * step})
+    m.close()
+    want = {1: 1.0, 2: 2.0, 3: 3.0, 4: 40.0, 5: 50.0, 6: 60.0}
+    assert {r["step"]: r["loss"] for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())} == want
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 6
+    assert _tb_losses(tmp_path / "tb") == want
+
+
+def test_fresh_starts_set_old_logs_aside_under_names_never_reused(tmp_path, monkeypatch):
+    """Three runs from step 0 in one directory within the same second: each earlier run's
+    metrics.jsonl and tb/ are kept under a name of their own (none overwritten, none mixed)."""
+    import training.monitor as mon
+    monkeypatch.setattr(mon.time, "strftime", lambda fmt, *a: "20261124-120000")
+    for run in range(3):
+        m = _monitor(tmp_path, 0)
+        m.log(1, {"loss": float(run)})
+        m.close()
+    asides = sorted(p.name for p in tmp_path.glob("metrics.*.jsonl"))
+    assert asides == ["metrics.20261124-120000-2.jsonl", "metrics.20261124-120000.jsonl"]
+    assert sorted(json.loads((tmp_path / a).read_text())["loss"] for a in asides) == [0.0, 1.0]
+    assert sorted(p.name for p in tmp_path.glob("tb.*")) == ["tb.20261124-120000", "tb.20261124-120000-2"]
+    assert _tb_losses(tmp_path / "tb") == {1: 2.0}
+
+
+def test_a_wandb_that_cannot_start_is_a_warning_not_a_traceback(tmp_path, monkeypatch, capsys):
+    import types
+    fake = types.ModuleType("wandb")
+
+    def init(**kw):
+        raise RuntimeError("api_key not configured (no-tty). call wandb.login(key=[your_api_key])\nmore")
+    fake.init = init
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    m = _monitor(tmp_path, 0, **{"logging.wandb.enabled": "true"})
+    m.log(1, {"loss": 1.0})
+    m.close()
+    err = capsys.readouterr().err
+    assert "warning: wandb.init failed (api_key not configured (no-tty). call wandb.login(key=[your_api_key]));" \
+           " logging.wandb is off for this run" in err and "more" not in err
+    assert m.wandb is None and len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 1
+
+
+@pytest.mark.parametrize("name, peak", [
+    ("NVIDIA L40", 181e12), ("NVIDIA L40S", 362e12), ("NVIDIA L4", 121e12),
+    ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12), ("NVIDIA H100 NVL", 835e12),
+    ("NVIDIA GH200 480GB", 989e12), ("NVIDIA A100-SXM4-80GB", 312e12), ("Tesla V100-SXM2-16GB", 125e12),
+    ("NVIDIA RTX A4000", None), ("AMD Instinct MI300X", None),
+])
+def test_gpu_peaks_match_whole_words_of_the_device_name(name, peak):
+    """torch.cuda.get_device_name's strings: "L4" is not the L40's, the PCIe and NVL H100s are not
+    the SXM part; unknown GPUs have no peak (MFU is left out, logging.peak_flops sets it)."""
+    from training.monitor import peak_flops_for
+    assert peak_flops_for(name) == peak

@@ -136,6 +136,10 @@ def atomic_write_json(obj: dict, path: str | Path) -> None:
     _atomic_write(Path(path), lambda tmp: tmp.write_text(json.dumps(obj, indent=1) + "\n"))
 
 
+def atomic_write_text(text: str, path: str | Path) -> None:
+    _atomic_write(Path(path), lambda tmp: tmp.write_text(text))
+
+
 # -- DCP metadata, unpickled safely ---------------------------------------------------------------
 
 def _allowed_globals() -> dict[tuple[str, str], Any]:

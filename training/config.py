@@ -206,23 +206,75 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-class _OverrideValue:
-    """A command-line override's value: its text and YAML's reading of it. A string key takes
-    the text whenever YAML read a scalar that is not a string (``checkpoint.dir=0100`` is the
-    octal 64 to YAML, ``run_name=2024_01`` the integer 202401, ``run_name=on`` true)."""
+class _Scalar:
+    """A scalar as written (an override's value, or a plain YAML scalar in a config file) and YAML's
+    reading of it. A string key takes the text as written: ``checkpoint.dir=0100`` is the octal 64
+    to YAML, ``run_name=2024_01`` the integer 202401, ``run_name=on`` true, and in an override
+    ``checkpoint.dir=runs/lr sweep #3`` is cut at the comment. Quoted text, null and YAML lists
+    keep YAML's reading."""
 
-    def __init__(self, text: str, value: Any):
-        self.text, self.value = text, value
+    _NULLS = ("~", "null", "Null", "NULL")
+
+    def __init__(self, text: str, value: Any, quoted: bool = False):
+        self.text, self.value, self.quoted = text, value, quoted
 
     def resolve(self, tp: Any) -> Any:
         args = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
-        scalar = self.value is not None and not isinstance(self.value, (str, list, dict))
-        return self.text if str in args and scalar else self.value
+        if str not in args or self.quoted or isinstance(self.value, (list, dict)):
+            return self.value
+        if self.value is None and self.text.strip() in self._NULLS:
+            return None
+        return self.text.strip()
+
+
+class _ConfigLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, with two changes for config files: a key given twice in one mapping is
+    an error (PyYAML keeps the last silently), and plain scalars that are not strings (numbers,
+    booleans) keep their text, for string keys (``_Scalar``)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"duplicate key {key!r}", key_node.start_mark)
+                seen.add(key)
+            except TypeError:  # an unhashable key: SafeLoader says so itself
+                pass
+        return super().construct_mapping(node, deep)
+
+    def construct_object(self, node, deep=False):
+        value = super().construct_object(node, deep)
+        if isinstance(node, yaml.ScalarNode) and node.style is None and \
+                isinstance(value, (bool, int, float)) and self.constructing_value(node):
+            return _Scalar(node.value, value)
+        return value
+
+    def constructing_value(self, node) -> bool:
+        return node not in self._keys
+
+    def construct_document(self, node):
+        self._keys = set()
+        self._collect_keys(node)
+        return super().construct_document(node)
+
+    def _collect_keys(self, node) -> None:
+        if isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                self._keys.add(k)
+                self._collect_keys(v)
+        elif isinstance(node, yaml.SequenceNode):
+            for v in node.value:
+                self._collect_keys(v)
 
 
 def _coerce(value: Any, tp: Any, key: str) -> Any:
     """Check ``value`` against the annotation ``tp``; return it in the schema's type."""
-    if isinstance(value, _OverrideValue):
+    if isinstance(value, _Scalar):
         value = value.resolve(tp)
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
@@ -258,8 +310,13 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
+        if isinstance(value, str):  # YAML reads 1e9 (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
         if isinstance(value, float) and value.is_integer() and abs(value) < 2**63:
-            return int(value)  # 1e9 in YAML is a float
+            return int(value)  # 1.5e9 in YAML is a float
         raise ConfigError(f"{key}: expected an integer, got {value!r}")
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -284,7 +341,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
 def build(cls: type, data: Any, prefix: str = "") -> Any:
     """Build dataclass ``cls`` from a mapping, rejecting unknown keys and wrong types."""
     where = prefix or "config"
-    if isinstance(data, _OverrideValue):
+    if isinstance(data, _Scalar):
         data = data.value
     if data is None:
         data = {}
@@ -332,7 +389,8 @@ def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
             value = yaml.safe_load(raw) if raw != "" else ""
         except yaml.YAMLError:
             value = raw
-        out.append((key.strip(), value if isinstance(value, (dict, list)) else _OverrideValue(raw, value)))
+        quoted = raw.strip()[:1] in ("'", '"') and isinstance(value, str)
+        out.append((key.strip(), value if isinstance(value, (dict, list)) else _Scalar(raw, value, quoted)))
     return out
 
 
@@ -344,7 +402,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
         if not path.is_file():
             raise ConfigError(f"{path}: config file not found")
         try:
-            tree = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+            tree = yaml.load(path.read_text(encoding="utf-8"), Loader=_ConfigLoader) or {}
         except UnicodeDecodeError:
             raise ConfigError(f"{path}: not a YAML config (not UTF-8 text)") from None
         except OSError as e:
@@ -422,6 +480,9 @@ def check(cfg: Config, path: Any = None) -> None:
         bad(f"checkpoint.keep={cfg.checkpoint.keep} must be at least 1")
     if cfg.logging.interval < 1:
         bad(f"logging.interval={cfg.logging.interval} must be at least 1")
+    if cfg.logging.peak_flops is not None and not 0 < cfg.logging.peak_flops < math.inf:
+        bad(f"logging.peak_flops={cfg.logging.peak_flops} must be a positive number of FLOP/s "
+            "(null: looked up from the device)")
     m = cfg.xla.mesh
     if min(m.data, m.fsdp, m.tp, m.dcn_data) < 1:
         bad("xla.mesh axes must be at least 1")

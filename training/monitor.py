@@ -4,17 +4,24 @@ Every other process gets a ``Monitor`` whose methods do nothing, so the loop cal
 """
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
+import re
 import sys
 import time
 from pathlib import Path
 
-# Dense bf16 peak FLOP/s of one device, for MFU. Matched by substring of the device name.
+from .checkpoint import atomic_write_text
+
+# Dense bf16 peak FLOP/s of one device, for MFU (vendors' data sheets, without sparsity). A key
+# matches a device name that holds its words in order, whole: "L4" is not the "L40" in "NVIDIA
+# L40"; the longest matching key wins ("H100 PCIe" over "H100", which is the SXM part).
 PEAK_FLOPS = {
-    "H200": 989e12, "H100": 989e12, "H800": 989e12, "GH200": 989e12, "A100": 312e12, "A800": 312e12,
-    "L40S": 362e12, "L4": 121e12, "A10G": 70e12, "RTX 4090": 165e12, "RTX 3090": 71e12, "V100": 125e12,
+    "H200": 989e12, "H100": 989e12, "H100 PCIe": 756e12, "H100 NVL": 835e12, "H800": 989e12,
+    "GH200": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12, "L40": 181e12, "L4": 121e12,
+    "A10G": 70e12, "RTX 4090": 165e12, "RTX 3090": 71e12, "V100": 125e12,
     "TPU v6": 918e12, "TPU v5p": 459e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v4": 275e12,
 }
 
@@ -35,10 +42,17 @@ def peak_flops_for(device_name: str) -> float | None:
     kind = TPU_DEVICE_KINDS.get(" ".join(device_name.split()))
     if kind is not None:
         return kind[1]
+    words = _words(device_name)
     for key in sorted(PEAK_FLOPS, key=len, reverse=True):
-        if key.lower() in device_name.lower():
+        k = _words(key)
+        if any(words[i:i + len(k)] == k for i in range(len(words) - len(k) + 1)):
             return PEAK_FLOPS[key]
     return None
+
+
+def _words(name: str) -> list[str]:
+    """"NVIDIA A100-SXM4-80GB" -> ["nvidia", "a100", "sxm4", "80gb"]."""
+    return re.findall(r"[a-z0-9]+", name.lower())
 
 
 def info(msg: str) -> None:
@@ -50,30 +64,44 @@ def info(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
 
-def _continue_metrics(path: Path, start_step: int) -> None:
-    """Make metrics.jsonl continue at ``start_step``.
+def _set_aside(path: Path) -> Path:
+    """Rename ``path`` (a file or directory) to a name no earlier run has taken:
+    ``metrics.jsonl`` -> ``metrics.20261124-132400.jsonl`` (``...-2`` and on within a second)."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    stem, suffix = (path.stem, path.suffix) if path.is_file() else (path.name, "")
+    for n in itertools.count(1):
+        aside = path.with_name(f"{stem}.{stamp}{'' if n == 1 else f'-{n}'}{suffix}")
+        if not aside.exists() and not aside.is_symlink():
+            os.rename(path, aside)  # only the master logs: no one else picks a name here
+            return aside
+
+
+def _continue_logs(run_dir: Path, start_step: int, tensorboard: bool) -> int | None:
+    """Make metrics.jsonl (and TensorBoard's ``tb/``) continue at ``start_step``; return
+    TensorBoard's ``purge_step``.
 
     Resuming from a checkpoint at step k: lines past k describe steps that will run again, so they
-    are dropped (the file is rewritten atomically). Starting from step 0 over an old file: the old
-    file is kept under a new name, never mixed with the new run.
+    are dropped (the file is rewritten atomically) and TensorBoard purges its events from step
+    k + 1 on (step k was logged by the run that saved the checkpoint). Starting from step 0 over an
+    old run's logs: they are kept under new names, never mixed with the new run's.
     """
-    if not path.exists():
-        return
+    path = run_dir / "metrics.jsonl"
     if start_step == 0:
-        aside = path.with_name(f"metrics.{time.strftime('%Y%m%d-%H%M%S')}.jsonl")
-        os.replace(path, aside)
-        info(f"warning: starting from step 0: the previous {path.name} is kept as {aside.name}")
-        return
-    kept = []
-    for line in path.read_text().splitlines():
-        try:
-            if json.loads(line).get("step", 0) <= start_step:
-                kept.append(line)
-        except ValueError:  # a line cut by a crash
-            continue
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    os.replace(tmp, path)
+        for old in (path, run_dir / "tb"):
+            if old.exists():
+                aside = _set_aside(old)
+                info(f"warning: starting from step 0: the previous {old.name} is kept as {aside.name}")
+        return None
+    if path.exists():
+        kept = []
+        for line in path.read_text().splitlines():
+            try:
+                if json.loads(line).get("step", 0) <= start_step:
+                    kept.append(line)
+            except ValueError:  # a line cut by a crash
+                continue
+        atomic_write_text("".join(line + "\n" for line in kept), path)
+    return start_step + 1 if tensorboard else None
 
 
 class Monitor:
@@ -87,13 +115,13 @@ class Monitor:
         if not enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        _continue_metrics(self.run_dir / "metrics.jsonl", start_step)
-        self.jsonl = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
         lc = cfg.logging
+        purge_step = _continue_logs(self.run_dir, start_step, lc.tensorboard)
+        self.jsonl = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
         if lc.tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
-                self.tb = SummaryWriter(str(self.run_dir / "tb"), purge_step=start_step or None)
+                self.tb = SummaryWriter(str(self.run_dir / "tb"), purge_step=purge_step)
             except ImportError:
                 info("warning: tensorboard is not installed; logging.tensorboard ignored")
         if lc.wandb.enabled:
@@ -105,6 +133,11 @@ class Monitor:
                                         dir=str(self.run_dir), config=cfg.to_dict(), resume="allow")
             except ImportError:
                 info("warning: wandb is not installed (pip install wandb); logging.wandb ignored")
+            except Exception as e:  # noqa: BLE001  no API key, no network, a bad entity: train on
+                # without it (only this process logs: raising here would leave the others waiting)
+                first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+                info(f"warning: wandb.init failed ({first}); logging.wandb is off for this run "
+                     "(wandb login, or logging.wandb.mode=offline)")
         if lc.progress_bar:
             from tqdm import tqdm
             self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
