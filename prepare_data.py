@@ -186,7 +186,18 @@ def find_files(inputs: list[str], globs: list[str], excludes: list[str],
             candidates = [root]
         elif root.is_dir():
             candidates = []
-            for dirpath, dirnames, filenames in os.walk(root):
+            walked: set[str] = set()  # real paths: a link to a directory is read once, and a loop ends
+
+            def unreadable(e: OSError, given=given):
+                raise DataError(f"--input {given}: cannot list {e.filename} ({e.strerror or e})")
+
+            for dirpath, dirnames, filenames in os.walk(root, onerror=unreadable, followlinks=True):
+                real = os.path.realpath(dirpath)
+                if real in walked:
+                    warn(f"skipping {dirpath}: a link to {real}, which is read already")
+                    dirnames[:] = []
+                    continue
+                walked.add(real)
                 rel_dir = Path(dirpath).relative_to(root).as_posix()
                 prefix = "" if rel_dir == "." else rel_dir + "/"
                 dirnames[:] = sorted(d for d in dirnames if not _matches(prefix + d, excludes)
@@ -437,6 +448,9 @@ class TokenizerSpec:
                         cfg = json.loads(hf_files[name])
                     except ValueError as e:
                         raise DataError(f"--tokenizer {given}: {f} is not JSON ({e})") from None
+                    if not isinstance(cfg, dict):
+                        raise DataError(f"--tokenizer {given}: {f} is not a JSON object of settings "
+                                        f"(it holds a {type(cfg).__name__})")
                     for key in ("eos_token", "bos_token", "pad_token"):
                         if _token_name(cfg.get(key)) is not None:
                             specials[key] = _token_name(cfg.get(key))

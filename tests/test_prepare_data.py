@@ -508,6 +508,8 @@ def _bad_cases(tmp: Path) -> dict:
     old = tmp / "old"  # a previous output, to be left untouched by every failure
     assert run("--input", ok, "--vocab-size", 300, "--out", old) == 0
     foreign = write_docs(tmp / "foreign", {"notes.md": "mine", "meta.json": "{}"})
+    listcfg = write_docs(tmp / "listcfg", {"tokenizer.json": (old / "tokenizer.json").read_bytes(),
+                                           "tokenizer_config.json": "[1, 2]"})
     return {
         "no inputs": (["--out", old], "no inputs", old),
         "missing input": (["--input", tmp / "missing", "--out", tmp / "o"], str(tmp / "missing"), None),
@@ -528,6 +530,9 @@ def _bad_cases(tmp: Path) -> dict:
                               str(tmp / "nope"), None),
         "not a tokenizer": (["--input", ok, "--tokenizer", tmp / "notatokenizer.json", "--out", tmp / "o"],
                             "notatokenizer.json", None),
+        "tokenizer_config.json a list": (["--input", ok, "--tokenizer", listcfg, "--out", tmp / "o"],
+                                         "tokenizer_config.json is not a JSON object of settings (it holds a list)",
+                                         None),
         "tokenizer and vocab size": (["--input", ok, "--tokenizer", old, "--vocab-size", 512, "--out", tmp / "o"],
                                      "--vocab-size", None),
         "val fraction 0": (["--input", ok, "--val-fraction", 0, "--out", tmp / "o"], "--val-fraction", None),
@@ -552,6 +557,36 @@ def test_bad_inputs(tmp_path, prepare_data_cli):
         assert sorted(p.name for p in tmp_path.iterdir()) == listing, name  # no staging leftovers
         if existing:
             assert snapshot(existing) == before, name
+
+
+def test_linked_directories_are_read_once_and_a_link_loop_ends(tmp_path, prepare_data_cli):
+    """A link to a directory is walked like the directory (a link to a file always was); a
+    directory reached twice (a link to an ancestor: a loop) is read once, with a warning."""
+    src = write_docs(tmp_path / "src", {"a.txt": "alpha"})
+    write_docs(tmp_path / "elsewhere", {"b.txt": "beta"})
+    (src / "linked").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    (src / "loop").symlink_to(src, target_is_directory=True)
+    proc = prepare_data_cli("--input", src, "--vocab-size", 300, "--out", tmp_path / "out")
+    assert proc.returncode == 0, proc.stderr
+    assert all_documents(tmp_path / "out") == Counter(["alpha", "beta"])
+    assert f"skipping {src / 'loop'}: a link to {src}, which is read already" in proc.stderr
+
+
+def test_a_directory_that_cannot_be_listed_is_an_error_not_a_gap(tmp_path, monkeypatch):
+    """os.walk drops a directory it cannot list without a word: the corpus would silently lack
+    it. (As root, permissions do not stop a listing: the refusal is simulated.)"""
+    src = write_docs(tmp_path / "src", {"a.txt": "alpha"})
+    write_docs(src / "private", {"b.txt": "beta"})
+    real = os.scandir
+
+    def scandir(path="."):
+        if Path(path) == src / "private":
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(path)
+    monkeypatch.setattr(os, "scandir", scandir)
+    with pytest.raises(prepare_data.DataError, match=f"^--input {src}: cannot list {src / 'private'} "
+                                                     "\\(Permission denied\\)$"):
+        prepare_data.find_files([str(src)], [], [])
 
 
 def test_non_utf8_file_is_skipped_by_the_cli(tmp_path, prepare_data_cli):
