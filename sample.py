@@ -43,7 +43,8 @@ def main(argv=None) -> int:
                                                           "them (default: %(default)s)")
     ap.add_argument("--num-samples", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--tokenizer", type=Path, help="tokenizer.json (default: from the config's data.dir)")
+    ap.add_argument("--tokenizer", type=Path, help="tokenizer.json, or a directory holding one "
+                                                    "(default: the config's data.dir)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args(argv)
     for flag, value, low in (("--temperature", args.temperature, 0), ("--top-k", args.top_k, 0),
@@ -51,12 +52,28 @@ def main(argv=None) -> int:
         if not value >= low:  # also NaN
             ap.error(f"{flag} must be at least {low}, got {value}")
     try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        ap.error(f"--device {args.device}: expected cpu, cuda, cuda:N or mps")
+    if device.type == "cuda" and not (torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count()):
+        ap.error(f"--device {args.device}: no such CUDA device here ({torch.cuda.device_count()} found)")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        ap.error(f"--device {args.device}: MPS is not available here")
+    if device.type not in ("cpu", "cuda", "mps"):
+        ap.error(f"--device {args.device}: expected cpu, cuda, cuda:N or mps")
+    try:
         from tokenizers import Tokenizer
         model, cfg = load_model(args.checkpoint, args.device)
-        tok_path = args.tokenizer or Path(cfg["data"]["dir"]).expanduser() / "tokenizer.json"
+        tok_path = args.tokenizer or Path(cfg["data"]["dir"]).expanduser()
+        if tok_path.is_dir():
+            tok_path = tok_path / "tokenizer.json"
         if not tok_path.is_file():
             raise FileNotFoundError(f"{tok_path}: tokenizer not found (pass --tokenizer)")
-        tok = Tokenizer.from_file(str(tok_path))
+        try:
+            tok = Tokenizer.from_file(str(tok_path))
+        except Exception as e:  # the Rust parser's error, or not UTF-8
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            raise FileNotFoundError(f"{tok_path}: not a tokenizers JSON file ({first})") from None
     except (CheckpointError, ConfigError, FileNotFoundError) as e:
         print(f"sample.py: error: {e}", file=sys.stderr)
         return 2

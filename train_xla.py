@@ -45,11 +45,15 @@ def _worker(index: int, cfg) -> None:
     from training.checkpoint import CheckpointError
     from training.xla_backend import XLABackend
 
+    backend = None
     try:
         backend = XLABackend(cfg)
         code = train(cfg, backend)
     except (ConfigError, CheckpointError, ValueError) as e:
         raise TrainingExit(2, str(e)) from None
+    finally:
+        if backend is not None:
+            backend.shutdown()  # the gloo group of a multi-process run, as train.py does
     if code != 0:
         raise TrainingExit(code)
 

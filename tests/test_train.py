@@ -1,5 +1,6 @@
 """train.py end to end on CPU: exact resume after SIGTERM, DDP global-batch equivalence, NaN
 handling, metrics and checkpoints. Tiny fp32 models on the stdlib test corpus."""
+import json
 import os
 import signal
 import subprocess
@@ -11,6 +12,7 @@ import torch
 
 from helpers import ENV, ROOT, losses, metrics, run, tiny_config, wait_for_step
 from training.checkpoint import list_checkpoints
+from training.data import data_fingerprint
 
 
 def test_trains_logs_and_checkpoints(tmp_path, stdlib_data):
@@ -29,7 +31,8 @@ def test_trains_logs_and_checkpoints(tmp_path, stdlib_data):
     assert ckpts == ["ckpt_00000015.pt", "ckpt_00000020.pt"]  # keep: 2
     ck = torch.load(tmp_path / "run" / ckpts[-1], weights_only=True)
     assert ck["step"] == 20 and ck["config"]["training"]["max_steps"] == 20
-    assert ck["data"] == {"epoch": 0, "offset": 20 * 4} or ck["data"]["epoch"] > 0
+    assert ck["data"]["offset"] == 20 * 4 or ck["data"]["epoch"] > 0
+    assert ck["data"]["fingerprint"] == data_fingerprint(json.loads((stdlib_data / "meta.json").read_text()))
     assert "config (resolved)" in r.stderr and "effective batch" in r.stderr
     # sample.py finds the newest checkpoint and the tokenizer through the stored config
     r = run(["sample.py", str(tmp_path / "run"), "--prompt", "def ", "--max-new-tokens", "20",
@@ -47,6 +50,16 @@ def test_trains_logs_and_checkpoints(tmp_path, stdlib_data):
     for flag, value in (("--top-k", "-5"), ("--num-samples", "0")):
         r = run(["sample.py", str(tmp_path / "run"), flag, value])
         assert r.returncode == 2 and "Traceback" not in r.stderr and f"{flag} must be at least" in r.stderr
+    bad_tok = tmp_path / "bad.json"
+    bad_tok.write_text("{not json")
+    for args, said in ((["--device", "gpu"], "--device gpu: expected cpu, cuda, cuda:N or mps"),
+                       (["--device", "cuda:7"], "--device cuda:7: no such CUDA device here"),
+                       (["--tokenizer", str(bad_tok)], f"{bad_tok}: not a tokenizers JSON file")):
+        r = run(["sample.py", str(tmp_path / "run"), *args])
+        assert r.returncode == 2 and "Traceback" not in r.stderr and said in r.stderr, (args, r.stderr[-2000:])
+    # --tokenizer takes a directory holding tokenizer.json (a data directory, an HF export)
+    r = run(["sample.py", str(tmp_path / "run"), "--tokenizer", str(stdlib_data), "--max-new-tokens", "4"])
+    assert r.returncode == 0 and r.stdout.count("----- sample") == 2, r.stderr[-2000:]
 
 
 def test_exact_resume_after_sigterm(tmp_path, stdlib_data):
@@ -267,6 +280,29 @@ def test_metrics_continue_cleanly_after_a_crash_and_a_fresh_start(tmp_path, stdl
     assert r.returncode == 0 and "is kept as metrics." in r.stderr
     assert [m["step"] for m in metrics(run_dir)] == [1, 2, 3, 4, 5, 6]
     assert len(list(run_dir.glob("metrics.*.jsonl"))) == 1
+
+
+def test_resume_on_other_data_says_so(tmp_path, stdlib_data):
+    """A checkpoint records which data it was trained on (meta.json's identity); resuming on other
+    data (re-prepared, another corpus) is allowed, and said, since the sample offset then points
+    into another order."""
+    import prepare_data
+    cfg = tiny_config(tmp_path, stdlib_data, **{"training.max_steps": 2, "checkpoint.interval": 0,
+                                                "evaluation.interval": 0})
+    assert run(["train.py", str(cfg)]).returncode == 0
+    r = run(["train.py", str(cfg), "training.max_steps=3"])
+    assert r.returncode == 0 and "resumed from" in r.stderr and "other data" not in r.stderr
+    other = tmp_path / "other"
+    src = tmp_path / "src"
+    src.mkdir()
+    for n in range(20):  # documents are files: enough of them for a validation split
+        (src / f"m{n}.py").write_text("".join(f"def f{i}(x):\n    return x * {i + n}\n" for i in range(150)))
+    assert prepare_data.main(["--input", str(src), "--tokenizer", str(stdlib_data), "--val-fraction", "0.05",
+                              "--out", str(other)]) == 0
+    r = run(["train.py", str(cfg), "training.max_steps=4", f"data.dir={other}"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (f"warning: {tmp_path / 'run' / 'ckpt_00000003.pt'} was saved while training on other data than "
+            f"data.dir={other} holds now") in r.stderr
 
 
 def test_resume_from_another_run_directory_takes_its_newest_checkpoint(tmp_path, stdlib_data):

@@ -26,7 +26,7 @@ from model import NashMHC
 from .backend import Backend
 from .checkpoint import FORMAT_VERSION, Checkpointer, CheckpointError, rng_state, set_rng_state
 from .config import Config, ConfigError, check_data, config_from_dict
-from .data import DataStream, TokenWindows, eval_batches
+from .data import DataStream, TokenWindows, data_fingerprint, eval_batches
 from .hf import load_initial_weights
 from .monitor import Monitor, info
 from .optim import build_optimizer, lr_at, set_lr
@@ -208,7 +208,7 @@ class Trainer:
         self.skipped_logged = 0
         self.stop_nonfinite = False
         self.last_log_time, self.last_log_step = time.time(), state.step
-        self.eval_seconds = 0.0  # evaluation time since the last log line (main thread)
+        self.paused_seconds = 0.0  # evaluation and checkpoint saves since the last log line
         self.last_record: dict = {}
         self.start_tokens, self.start_step = state.tokens_seen, state.step
 
@@ -236,6 +236,11 @@ class Trainer:
         state.nonfinite_total = int(ckpt.get("nonfinite", {}).get("total", 0))
         self.log_line(f"resumed from {path} at step {state.step} (epoch {state.epoch}, sample "
                       f"{state.offset}, {state.tokens_seen:,} tokens seen)")
+        saved = ckpt["data"].get("fingerprint")  # absent in checkpoints of older versions
+        if saved is not None and saved != data_fingerprint(self.meta):
+            self.log_line(f"warning: {path} was saved while training on other data than "
+                          f"data.dir={self.cfg.data.dir} holds now (its meta.json differs): training "
+                          f"goes on at epoch {state.epoch}, sample {state.offset} of this data's order")
 
     def tokens_at(self, step: int) -> int:
         return self.start_tokens + (step - self.start_step) * self.tokens_per_step
@@ -302,18 +307,19 @@ class Trainer:
                     batch_losses.append(model(x, y).loss.float())
                 backend.sync()  # one forward graph, the same for every batch
         model.train()
-        self.eval_seconds += time.time() - t0
+        self.paused_seconds += time.time() - t0
         return backend.mean_across(torch.stack(batch_losses).mean())
 
     # -- logging -----------------------------------------------------------------------------
-    def log(self, numbers: list[float], names: list[str], step: int, lr: float, eval_s: float) -> None:
+    def log(self, numbers: list[float], names: list[str], step: int, lr: float, paused_s: float) -> None:
         """A log step's values (``numbers``, named ``names``), on the host once computed (XLA: in
         an asynchronous step closure, while the loop runs on): metrics.jsonl, the progress bar,
-        TensorBoard/W&B, the non-finite counters. ``eval_s``: evaluation time since the last line."""
+        TensorBoard/W&B, the non-finite counters. ``paused_s``: time since the last line spent in
+        evaluation and checkpoint saves, left out of the training throughput."""
         t_cfg, state = self.cfg.training, self.state
         values = dict(zip(names, numbers))
         now = time.time()
-        dt = max(now - self.last_log_time - eval_s, 1e-9)  # training time only
+        dt = max(now - self.last_log_time - paused_s, 1e-9)  # training time only
         steps = step - self.last_log_step
         self.last_log_time, self.last_log_step = now, step
         skipped_now = int(values.pop("_skipped"))
@@ -356,20 +362,21 @@ class Trainer:
     def save(self, reason: str, wait: bool = False) -> None:
         """Checkpoint the model, optimiser and run state (``wait``: synchronously even with
         ``checkpoint.async``, as the last save of a run is)."""
-        state = self.state
+        state, t0 = self.state, time.time()
         self.backend.wait_host()  # pending log lines update state.nonfinite_total
         pos = self.stream.advance(state.epoch, state.offset, state.batches_done)
         meta = {
             "format_version": FORMAT_VERSION,
             "step": state.step,
             "tokens_seen": state.tokens_seen,
-            "data": {"epoch": pos[0], "offset": pos[1]},
+            "data": {"epoch": pos[0], "offset": pos[1], "fingerprint": data_fingerprint(self.meta)},
             "rng": {**rng_state(), **self.backend.device_rng()},
             "nonfinite": {"total": state.nonfinite_total},
             "config": self.cfg.to_dict(),
             "trainer": self.backend.name,
         }
         self.checkpointer.save(meta, self.train_model, self.optimizer, reason, wait=wait)
+        self.paused_seconds += time.time() - t0  # not training time: left out of tokens_per_sec
 
     # -- the loop ----------------------------------------------------------------------------
     def fit(self) -> int:
@@ -396,8 +403,8 @@ class Trainer:
                     backend.sync()  # the step's graphs alone, as on every step; then evaluation's
                     values, names = torch.cat([values, self.evaluate().view(1)]), names + ["eval_loss"]
                 if do_log:
-                    eval_s, self.eval_seconds = self.eval_seconds, 0.0
-                    backend.on_host(self.log, values, names, state.step, lr, eval_s)
+                    paused_s, self.paused_seconds = self.paused_seconds, 0.0
+                    backend.on_host(self.log, values, names, state.step, lr, paused_s)
                 backend.sync()
                 self.monitor.advance(state.step)
 
