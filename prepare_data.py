@@ -186,7 +186,12 @@ def find_files(inputs: list[str], globs: list[str], excludes: list[str],
             candidates = [root]
         elif root.is_dir():
             candidates = []
-            walked: set[str] = set()  # real paths: a link to a directory is read once, and a loop ends
+            # A link to a directory outside the input is walked like a directory (a link to a
+            # file always was read); one to a directory inside it is not: that one is walked
+            # under its own name, where --exclude and --glob see it. Each real directory once,
+            # so a loop of links ends.
+            real_root = os.path.realpath(root)
+            walked: set[str] = set()
 
             def unreadable(e: OSError, given=given):
                 raise DataError(f"--input {given}: cannot list {e.filename} ({e.strerror or e})")
@@ -194,14 +199,22 @@ def find_files(inputs: list[str], globs: list[str], excludes: list[str],
             for dirpath, dirnames, filenames in os.walk(root, onerror=unreadable, followlinks=True):
                 real = os.path.realpath(dirpath)
                 if real in walked:
-                    warn(f"skipping {dirpath}: a link to {real}, which is read already")
+                    warn(f"skipping {dirpath}: it leads to {real}, which is read already")
                     dirnames[:] = []
                     continue
                 walked.add(real)
                 rel_dir = Path(dirpath).relative_to(root).as_posix()
                 prefix = "" if rel_dir == "." else rel_dir + "/"
-                dirnames[:] = sorted(d for d in dirnames if not _matches(prefix + d, excludes)
-                                     and os.path.realpath(os.path.join(dirpath, d)) != str(out))
+                keep = []
+                for d in sorted(dirnames):
+                    target = os.path.realpath(os.path.join(dirpath, d))
+                    if _matches(prefix + d, excludes) or target == str(out):
+                        continue
+                    if os.path.islink(os.path.join(dirpath, d)) and \
+                            (target == real_root or target.startswith(real_root + os.sep)):
+                        continue
+                    keep.append(d)
+                dirnames[:] = keep
                 for name in sorted(filenames):
                     rel = prefix + name
                     if (not globs or _matches(rel, globs)) and not _matches(rel, excludes):

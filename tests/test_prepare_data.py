@@ -560,16 +560,25 @@ def test_bad_inputs(tmp_path, prepare_data_cli):
 
 
 def test_linked_directories_are_read_once_and_a_link_loop_ends(tmp_path, prepare_data_cli):
-    """A link to a directory is walked like the directory (a link to a file always was); a
-    directory reached twice (a link to an ancestor: a loop) is read once, with a warning."""
+    """A link to a directory outside the input is walked like a directory (a link to a file
+    always was read). A link into the input itself (to a sibling, or to an ancestor: a loop) is
+    not followed: that directory is read under its own name, so --exclude still applies to it.
+    A loop of links outside the input ends, with a warning."""
     src = write_docs(tmp_path / "src", {"a.txt": "alpha"})
-    write_docs(tmp_path / "elsewhere", {"b.txt": "beta"})
+    write_docs(src / "b", {"b.txt": "beta"})
+    write_docs(tmp_path / "elsewhere", {"c.txt": "gamma"})
     (src / "linked").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    (tmp_path / "elsewhere" / "back").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    (src / "a_to_b").symlink_to(src / "b", target_is_directory=True)
     (src / "loop").symlink_to(src, target_is_directory=True)
     proc = prepare_data_cli("--input", src, "--vocab-size", 300, "--out", tmp_path / "out")
     assert proc.returncode == 0, proc.stderr
-    assert all_documents(tmp_path / "out") == Counter(["alpha", "beta"])
-    assert f"skipping {src / 'loop'}: a link to {src}, which is read already" in proc.stderr
+    assert all_documents(tmp_path / "out") == Counter(["alpha", "beta", "gamma"])
+    assert f"skipping {src / 'linked' / 'back'}: it leads to {tmp_path / 'elsewhere'}, which is read already" \
+        in proc.stderr
+    proc = prepare_data_cli("--input", src, "--exclude", "b", "--vocab-size", 300, "--out", tmp_path / "out2")
+    assert proc.returncode == 0, proc.stderr
+    assert all_documents(tmp_path / "out2") == Counter(["alpha", "gamma"])
 
 
 def test_a_directory_that_cannot_be_listed_is_an_error_not_a_gap(tmp_path, monkeypatch):

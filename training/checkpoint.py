@@ -472,11 +472,6 @@ class Checkpointer:
             found = None
         elif resume == "auto":
             found = find_latest(self.run_dir, warn=self.log)
-            if found is None and list_checkpoints(self.run_dir):
-                # starting over would save new checkpoints among the old ones under the same names
-                raise CheckpointError(
-                    f"{self.run_dir} holds committed checkpoints and none of them loads (the warnings "
-                    "above say why): move them away, or set checkpoint.resume to a checkpoint that loads")
         else:
             path = Path(resume).expanduser()
             if path.is_dir() and not is_dcp_dir(path):  # a run directory: its newest
@@ -488,11 +483,18 @@ class Checkpointer:
                 found = path, peek_checkpoint(path)
         start = found[1]["step"] if found else 0
         ahead = [p for s, p in list_checkpoints(self.run_dir) if s > start] if resume != "auto" else []
+        # auto with committed checkpoints of which none loads: starting over would save new
+        # checkpoints among the old ones, under the same names
+        unloadable = resume == "auto" and found is None and bool(list_checkpoints(self.run_dir))
         seen = f"{found[0].name}@{start}" if found else "none"
-        if not self.backend.all_equal(f"{seen} ahead:{ahead[-1].name if ahead else None}"):
+        if not self.backend.all_equal(f"{seen} ahead:{ahead[-1].name if ahead else None} {unloadable}"):
             raise CheckpointError(f"{self.run_dir}: the processes see different checkpoints to "
                                   f"resume from (this one: {seen}); put checkpoint.dir on storage "
                                   "every host sees (a shared filesystem or a gcsfuse bucket)")
+        if unloadable:
+            raise CheckpointError(
+                f"{self.run_dir} holds committed checkpoints and none of them loads (the warnings "
+                "above say why): move them away, or set checkpoint.resume to a checkpoint that loads")
         if found is not None and "optimizer" not in found[1]:
             raise CheckpointError(f"{found[0]}: weights only (export_hf.py --import?): start a run "
                                   "from it with checkpoint.init_from")

@@ -10,6 +10,7 @@ The ``model`` section is ``model.ModelConfig`` itself, so the model owns its own
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import difflib
 import json
 import math
@@ -250,7 +251,7 @@ class _ConfigLoader(yaml.SafeLoader):
     def construct_object(self, node, deep=False):
         value = super().construct_object(node, deep)
         if isinstance(node, yaml.ScalarNode) and node.style is None and \
-                isinstance(value, (bool, int, float)) and self.constructing_value(node):
+                isinstance(value, (bool, int, float, datetime.date)) and self.constructing_value(node):
             return _Scalar(node.value, value)
         return value
 
@@ -258,11 +259,14 @@ class _ConfigLoader(yaml.SafeLoader):
         return node not in self._keys
 
     def construct_document(self, node):
-        self._keys = set()
+        self._keys, self._seen = set(), set()
         self._collect_keys(node)
         return super().construct_document(node)
 
     def _collect_keys(self, node) -> None:
+        if node in self._seen:  # an alias: its nodes are the anchor's (which may hold itself)
+            return
+        self._seen.add(node)
         if isinstance(node, yaml.MappingNode):
             for k, v in node.value:
                 self._keys.add(k)
@@ -311,6 +315,10 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
         if isinstance(value, str):  # YAML reads 1e9 (no dot) as a string
+            try:
+                return int(value)
+            except ValueError:
+                pass
             try:
                 value = float(value)
             except ValueError:
@@ -480,9 +488,9 @@ def check(cfg: Config, path: Any = None) -> None:
         bad(f"checkpoint.keep={cfg.checkpoint.keep} must be at least 1")
     if cfg.logging.interval < 1:
         bad(f"logging.interval={cfg.logging.interval} must be at least 1")
-    if cfg.logging.peak_flops is not None and not 0 < cfg.logging.peak_flops < math.inf:
+    if cfg.logging.peak_flops is not None and not 0 <= cfg.logging.peak_flops < math.inf:
         bad(f"logging.peak_flops={cfg.logging.peak_flops} must be a positive number of FLOP/s "
-            "(null: looked up from the device)")
+            "(null or 0: looked up from the device)")
     m = cfg.xla.mesh
     if min(m.data, m.fsdp, m.tp, m.dcn_data) < 1:
         bad("xla.mesh axes must be at least 1")

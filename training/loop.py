@@ -362,8 +362,9 @@ class Trainer:
     def save(self, reason: str, wait: bool = False) -> None:
         """Checkpoint the model, optimiser and run state (``wait``: synchronously even with
         ``checkpoint.async``, as the last save of a run is)."""
-        state, t0 = self.state, time.time()
+        state = self.state
         self.backend.wait_host()  # pending log lines update state.nonfinite_total
+        t0 = time.time()  # after the last log line's clock: the pause starts here
         pos = self.stream.advance(state.epoch, state.offset, state.batches_done)
         meta = {
             "format_version": FORMAT_VERSION,

@@ -20,8 +20,9 @@ from .checkpoint import atomic_write_text
 # L40"; the longest matching key wins ("H100 PCIe" over "H100", which is the SXM part).
 PEAK_FLOPS = {
     "H200": 989e12, "H100": 989e12, "H100 PCIe": 756e12, "H100 NVL": 835e12, "H800": 989e12,
-    "GH200": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12, "L40": 181e12, "L4": 121e12,
-    "A10G": 70e12, "RTX 4090": 165e12, "RTX 3090": 71e12, "V100": 125e12,
+    "GH200": 989e12, "A100": 312e12, "A100X": 312e12, "A800": 312e12, "L40S": 362e12, "L40": 181e12,
+    "L4": 121e12, "A10": 125e12, "A10G": 70e12, "RTX 4090": 165e12, "RTX 3090": 71e12,
+    "V100": 125e12, "V100S": 130e12,
     "TPU v6": 918e12, "TPU v5p": 459e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v4": 275e12,
 }
 

@@ -362,8 +362,11 @@ class XLABackend(Backend):
         # is on host 0: MASTER_ADDR or the TPU metadata, MASTER_PORT, default 12355), made once:
         # the launch checks, the loop's decisions and checkpoint I/O all go through it.
         self.processes = xr.process_count() if self.spmd else self.world_size
+        self._made_group = False
         if self.processes > 1:
+            import torch.distributed as dist
             from torch_xla.distributed import xla_backend as _xla_pg  # noqa: F401  (registers xla://)
+            self._made_group = not dist.is_initialized()  # a caller's group stays the caller's
             init_gloo("xla://")
             self.host = HostGroup(new_gloo_group())
             self.ckpt_group = new_gloo_group()  # the checkpoint writer's thread has its own
@@ -601,8 +604,9 @@ class XLABackend(Backend):
                 "xla_transfers": c["device_to_host_transfers"]}
 
     def shutdown(self) -> None:
+        """Destroy the gloo group this backend made (one it found is left to its maker)."""
         import torch.distributed as dist
-        if dist.is_available() and dist.is_initialized():
+        if self._made_group and dist.is_initialized():
             dist.destroy_process_group()
 
     def finish(self, run_dir: Path, log: Callable[[str], None]) -> None:
