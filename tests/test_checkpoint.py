@@ -298,12 +298,18 @@ def test_host_group_decisions_are_the_same_everywhere(tmp_path):
         assert res == {"any": [True, False, True], "equal": True, "differ": False, "size": 2}
 
 
-def _find_in(rank, store_path, dirs, out_dir):
-    """Checkpointer.find on two processes whose checkpoint.dir is ``dirs[rank]``."""
+def _find_in(rank, store_path, dirs, out_dir, unreadable_on=None):
+    """Checkpointer.find on two processes whose checkpoint.dir is ``dirs[rank]``; on process
+    ``unreadable_on`` no checkpoint loads (a read that failed there only)."""
     from types import SimpleNamespace
 
     import torch.distributed as dist
+    import training.checkpoint as C
     from training.distributed import HostGroup, new_gloo_group
+    if rank == unreadable_on:
+        def peek(path):
+            raise C.CheckpointError(f"{path}: truncated")
+        C.peek_checkpoint = peek
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=2)
     host = HostGroup(new_gloo_group())
     backend = SimpleNamespace(host=host, is_master=rank == 0, checkpoint_format="file",
@@ -351,3 +357,17 @@ def test_checkpoints_of_which_none_loads_are_refused_not_restarted_over(tmp_path
         ckpt.find("auto")
     assert "\n" not in str(e.value)
     assert sorted(p.name for p in run_dir.iterdir()) == ["ckpt_00000004.pt", "ckpt_00000008.pt"]
+
+
+def test_a_checkpoint_one_process_cannot_load_is_refused_by_both(tmp_path):
+    """Process 1 cannot load the checkpoint process 0 resumes from: both refuse with the same
+    line (one refusing alone would leave the other waiting in a collective)."""
+    import torch.multiprocessing as mp
+    model, opt, backend, ck = _setup(False, run_dir=tmp_path / "run")
+    ck.save(_meta(3), model, opt, "test", wait=True)
+    dirs = [str(tmp_path / "run")] * 2
+    mp.spawn(_find_in, args=(str(tmp_path / "store"), dirs, str(tmp_path), 1), nprocs=2)
+    res = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in (0, 1)]
+    assert res[0]["error"].startswith(f"{tmp_path / 'run'}: the processes see different checkpoints to resume from")
+    assert res[1]["error"].startswith(f"{tmp_path / 'run'}: the processes see different checkpoints to resume from")
+    assert [p.name for p in (tmp_path / "run").iterdir()] == ["ckpt_00000003.pt"]
