@@ -351,3 +351,8 @@ def test_xla_ddp_plans_one_replica_per_chip_of_the_slice(monkeypatch, tmp_path, 
     over = [] if nprocs is None else [f"xla.nprocs={nprocs}"]
     layout = P.layout_for(load_config(cfg, over), "xla", None)
     assert layout.mode == "ddp" and layout.chips == layout.replicas == replicas
+    # planned for the slice's own generation: the same; for another (--device-kind): not this slice
+    kind = P.tpu_generation(accel) if accel else None
+    assert P.layout_for(load_config(cfg, over), "xla", None, kind).replicas == replicas
+    other = "v5p" if kind != "v5p" else "v4"
+    assert P.layout_for(load_config(cfg, over), "xla", None, other).replicas == (nprocs or 1)

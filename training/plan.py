@@ -195,7 +195,9 @@ class Layout:
         return f"{prog}, {self.chips} replica(s), one per chip"
 
 
-def layout_for(cfg: Config, entry: str, world_size: Optional[int]) -> Layout:
+def layout_for(cfg: Config, entry: str, world_size: Optional[int], device_kind: Optional[str] = None) -> Layout:
+    """How ``cfg`` spreads over the chips. ``device_kind``: the TPU planned for (the slice here
+    counts the replicas of a ddp run only when it is of that generation)."""
     t = cfg.training
     if entry == "xla" and cfg.xla.mode == "spmd":
         m = cfg.xla.mesh
@@ -211,6 +213,8 @@ def layout_for(cfg: Config, entry: str, world_size: Optional[int]) -> Layout:
         if entry == "xla":
             # xmp.spawn with xla.nprocs null: one process per chip of the slice, on every host
             accel = None if cfg.xla.nprocs else tpu_accelerator_type()
+            if accel and device_kind is not None and tpu_generation(accel) != device_kind:
+                accel = None  # planning for another generation than this slice's
             world_size = cfg.xla.nprocs or (accel and tpu_chips(accel)) or 1
         else:
             world_size = int(os.environ.get("WORLD_SIZE", 1))
@@ -1009,8 +1013,8 @@ def run_plan(cfg: Config, entry: str, config_path, device_kind: Optional[str], m
              world_size: Optional[int], usd_per_chip_hour: Optional[float], margin: float,
              out=None) -> int:
     """Print the plan; 0 if it fits, 1 if not."""
-    layout = layout_for(cfg, entry, world_size)
     device = device_for(device_kind, entry)
+    layout = layout_for(cfg, entry, world_size, device.kind)
     plan, train_trace = make_plan(cfg, entry, device, margin=margin, layout=layout)
     levers = None if plan.fits else find_levers(plan, entry, train_trace)
     print(format_plan(plan, mfu, usd_per_chip_hour, config_path, levers), file=out or sys.stdout)
