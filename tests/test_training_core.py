@@ -459,6 +459,23 @@ def test_fresh_starts_set_old_logs_aside_under_names_never_reused(tmp_path, monk
     assert _tb_losses(tmp_path / "tb") == {1: 2.0}
 
 
+def test_a_resumed_run_logs_to_the_same_wandb_run(tmp_path, monkeypatch):
+    """W&B's resume="allow" needs the run's id: the run directory keeps it. Resumed: the same run;
+    from step 0: a new one."""
+    import types
+    fake, ids = types.ModuleType("wandb"), []
+
+    def init(**kw):
+        ids.append((kw["id"], kw["resume"]))
+        return types.SimpleNamespace(log=lambda *a, **k: None, finish=lambda: None)
+    fake.init = init
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    for start in (0, 3, 6, 0):
+        _monitor(tmp_path, start, **{"logging.wandb.enabled": "true"}).close()
+    assert ids[0] == ids[1] == ids[2] and ids[3][0] != ids[0][0] and {r for _, r in ids} == {"allow"}
+    assert (tmp_path / "wandb_run_id").read_text().strip() == ids[3][0]
+
+
 def test_a_wandb_that_cannot_start_is_a_warning_not_a_traceback(tmp_path, monkeypatch, capsys):
     import types
     fake = types.ModuleType("wandb")

@@ -95,18 +95,22 @@ class ResumableSampler(DistributedSampler):
         self.set_epoch(epoch)
         self.start = start
 
-    def _order(self) -> list[int]:
+    def _order(self) -> torch.Tensor:
         n = len(self.dataset)
         if self.shuffle:
             g = torch.Generator()
             g.manual_seed(self.seed + self.epoch)
-            return torch.randperm(n, generator=g).tolist()
-        return list(range(n))
+            return torch.randperm(n, generator=g)
+        return torch.arange(n)
 
     def __iter__(self):
+        # The epoch's order stays one int64 tensor (8 bytes a sample; as a Python list it was ~36,
+        # on every rank); this replica's positions are a view of it, handed out in chunks.
         order = self._order()
         usable = (len(order) // self.num_replicas) * self.num_replicas  # drop_last
-        return iter(order[self.start + self.rank:usable:self.num_replicas])
+        mine = order[self.start + self.rank:usable:self.num_replicas]
+        for chunk in mine.split(1 << 16):
+            yield from chunk.tolist()
 
     def __len__(self) -> int:
         usable = (len(self.dataset) // self.num_replicas) * self.num_replicas

@@ -9,6 +9,7 @@ import json
 import math
 import os
 import re
+import secrets
 import sys
 import time
 from pathlib import Path
@@ -105,6 +106,19 @@ def _continue_logs(run_dir: Path, start_step: int, tensorboard: bool) -> int | N
     return start_step + 1 if tensorboard else None
 
 
+def _wandb_run_id(run_dir: Path, start_step: int) -> str:
+    """The W&B run this run logs to: a resumed run continues the one its directory started (its
+    id is kept in ``wandb_run_id``); a run from step 0 starts a new one."""
+    path = run_dir / "wandb_run_id"
+    if start_step > 0 and path.is_file():
+        run_id = path.read_text().strip()
+        if re.fullmatch(r"[a-z0-9]{8,64}", run_id):
+            return run_id
+    run_id = secrets.token_hex(4)
+    atomic_write_text(run_id + "\n", path)
+    return run_id
+
+
 class Monitor:
     def __init__(self, cfg, run_dir: Path, enabled: bool, total_steps: int, start_step: int):
         self.enabled = enabled
@@ -131,7 +145,8 @@ class Monitor:
                 os.environ.setdefault("WANDB_SILENT", "true")
                 self.wandb = wandb.init(project=lc.wandb.project, entity=lc.wandb.entity,
                                         name=lc.wandb.run_name or self.run_dir.name, mode=lc.wandb.mode,
-                                        dir=str(self.run_dir), config=cfg.to_dict(), resume="allow")
+                                        dir=str(self.run_dir), config=cfg.to_dict(),
+                                        id=_wandb_run_id(self.run_dir, start_step), resume="allow")
             except ImportError:
                 info("warning: wandb is not installed (pip install wandb); logging.wandb ignored")
             except Exception as e:  # noqa: BLE001  no API key, no network, a bad entity: train on
