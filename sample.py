@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from model import NashMHC
-from training.checkpoint import CheckpointError, resolve_checkpoint
+from training.checkpoint import CheckpointError, first_line, resolve_checkpoint
 from training.config import ConfigError, config_from_dict
 
 
@@ -72,8 +72,7 @@ def main(argv=None) -> int:
         try:
             tok = Tokenizer.from_file(str(tok_path))
         except Exception as e:  # the Rust parser's error, or not UTF-8
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-            raise FileNotFoundError(f"{tok_path}: not a tokenizers JSON file ({first})") from None
+            raise FileNotFoundError(f"{tok_path}: not a tokenizers JSON file ({first_line(e)})") from None
     except (CheckpointError, ConfigError, FileNotFoundError) as e:
         print(f"sample.py: error: {e}", file=sys.stderr)
         return 2

@@ -188,7 +188,7 @@ def read_dcp_metadata(ckpt_dir: str | Path):
     except FileNotFoundError:
         raise CheckpointError(f"{d}: no .metadata (not a finished DCP checkpoint)") from None
     except Exception as e:  # refused global, truncated file, garbage
-        raise CheckpointError(f"{path}: unreadable DCP metadata ({_first_line(e)})") from None
+        raise CheckpointError(f"{path}: unreadable DCP metadata ({first_line(e)})") from None
     if not isinstance(meta, Metadata) or not isinstance(meta.state_dict_metadata, dict) \
             or not isinstance(meta.storage_data, dict):
         raise CheckpointError(f"{path}: not DCP metadata")
@@ -229,9 +229,10 @@ def safe_reader(ckpt_dir: str | Path):
 
 # -- reading -------------------------------------------------------------------------------------
 
-def _first_line(e: BaseException) -> str:
-    s = str(e).strip()
-    return (s.splitlines()[0] if s else type(e).__name__)[:200]
+def first_line(e: BaseException) -> str:
+    """An exception as one line for the user: its first line (or its type), at most 300 characters."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    return (lines[0] if lines else type(e).__name__)[:300]
 
 
 def read_marker(ckpt_dir: str | Path) -> dict:
@@ -243,7 +244,7 @@ def read_marker(ckpt_dir: str | Path) -> dict:
     except FileNotFoundError:
         raise CheckpointError(f"{d}: not committed (no {MARKER}: the save did not finish)") from None
     except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path}: unreadable ({_first_line(e)})") from None
+        raise CheckpointError(f"{path}: unreadable ({first_line(e)})") from None
     need = {"format_version": int, "step": int, "tokens_seen": int, "data": dict, "config": dict,
             "rng": dict, "optimizer_param_groups": list}
     for key, tp in need.items():
@@ -274,11 +275,11 @@ def _load_file(path: Path, with_optimizer: bool = True) -> dict:
     except pickle.UnpicklingError as e:
         # torch's message advises weights_only=False, i.e. running the file's code: keep only
         # the line that names what was refused.
-        what = [ln.strip() for ln in str(e).splitlines() if "unsupported" in ln.lower()] or [_first_line(e)]
+        what = [ln.strip() for ln in str(e).splitlines() if "unsupported" in ln.lower()] or [first_line(e)]
         raise CheckpointError(f"{path}: not a loadable checkpoint (refused: {what[0][:160]}; nothing we "
                               "load runs pickled code)") from None
     except Exception as e:  # truncated zip, garbage
-        raise CheckpointError(f"{path}: not a loadable checkpoint ({_first_line(e)})") from None
+        raise CheckpointError(f"{path}: not a loadable checkpoint ({first_line(e)})") from None
     if not isinstance(ckpt, dict) or "model" not in ckpt or "format_version" not in ckpt:
         raise CheckpointError(f"{path}: not a Nash-MHC checkpoint (missing model/format_version)")
     if ckpt["format_version"] > FORMAT_VERSION:
@@ -306,7 +307,7 @@ def _load_dcp(ckpt_dir: Path, with_optimizer: bool = True) -> dict:
     except CheckpointError:
         raise
     except Exception as e:
-        raise CheckpointError(f"{ckpt_dir}: DCP checkpoint does not load ({_first_line(e)})") from None
+        raise CheckpointError(f"{ckpt_dir}: DCP checkpoint does not load ({first_line(e)})") from None
     if "model" not in tensors:
         raise CheckpointError(f"{ckpt_dir}: no model tensors")
     meta["model"] = tensors["model"]
@@ -521,7 +522,7 @@ class Checkpointer:
                     old.unlink(missing_ok=True)
                 atomic_write_json({"token": token}, self.run_dir / f".shared-probe-{token}")
             except OSError as e:  # said on every process: the others wait in the gather below
-                token = f"!{_first_line(e)}"
+                token = f"!{first_line(e)}"
         token = host.all_gather_text(token)[0]  # after the master's write, on every process
         if token.startswith("!"):
             raise CheckpointError(f"checkpoint.dir={self.run_dir}: process 0 cannot write there: {token[1:]}")
@@ -629,7 +630,7 @@ class Checkpointer:
             self._thread = None
         if quiet:  # on an error path, where the other processes may not be waiting with us
             if self._error is not None:
-                self.log(f"warning: the pending checkpoint save failed ({_first_line(self._error)})")
+                self.log(f"warning: the pending checkpoint save failed ({first_line(self._error)})")
                 self._error = None
             return
         self._raise()
@@ -645,7 +646,7 @@ class Checkpointer:
             raise CheckpointError(f"{self.run_dir}: saving a checkpoint failed on another process")
         if isinstance(e, CheckpointError):
             raise e
-        raise CheckpointError(f"{self.run_dir}: saving a checkpoint failed ({_first_line(e)})") from e
+        raise CheckpointError(f"{self.run_dir}: saving a checkpoint failed ({first_line(e)})") from e
 
     def rotate(self, newest: int | None = None) -> list[Path]:
         """The master deletes committed checkpoints older than ``newest`` beyond ``keep``."""
@@ -758,7 +759,7 @@ def rng_from_json(state: dict) -> dict:
         if "xla" in state:
             out["xla"] = int(state["xla"])
     except (KeyError, TypeError, ValueError, IndexError, OverflowError) as e:
-        raise CheckpointError(f"malformed RNG state in {MARKER} ({_first_line(e)})") from None
+        raise CheckpointError(f"malformed RNG state in {MARKER} ({first_line(e)})") from None
     return out
 
 

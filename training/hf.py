@@ -18,7 +18,7 @@ import torch
 
 from model import ModelConfig, NashMHC
 
-from .checkpoint import CheckpointError, resolve_checkpoint
+from .checkpoint import CheckpointError, first_line, resolve_checkpoint
 from .config import ConfigError, config_from_dict
 
 # ours -> transformers' LlamaForCausalLM, per block and for the rest
@@ -136,7 +136,7 @@ def load_llama(path: str | Path):
     try:
         hf_cfg = AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as e:  # unknown model_type, remote code, bad JSON
-        raise CheckpointError(f"{path}: config.json does not load ({_first_line(e)})") from None
+        raise CheckpointError(f"{path}: config.json does not load ({first_line(e)})") from None
     if hf_cfg.model_type != "llama":
         raise CheckpointError(f"{path}: model_type {hf_cfg.model_type!r}; only Llama-architecture "
                               "checkpoints (model_type 'llama') import")
@@ -151,7 +151,7 @@ def load_llama(path: str | Path):
             path, config=hf_cfg, dtype=torch.float32, use_safetensors=True, local_files_only=True,
             output_loading_info=True)
     except Exception as e:
-        raise CheckpointError(f"{path}: weights do not load ({_first_line(e)})") from None
+        raise CheckpointError(f"{path}: weights do not load ({first_line(e)})") from None
     finally:
         hf_logging.set_verbosity(verbosity)
         if bars:
@@ -175,13 +175,13 @@ def model_from_checkpoint(ckpt: dict, where) -> NashMHC:
     try:
         cfg = config_from_dict(ckpt["config"]).model
     except (ConfigError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{where}: unknown architecture (stored config: {_first_line(e)})") from None
+        raise CheckpointError(f"{where}: unknown architecture (stored config: {first_line(e)})") from None
     with torch.device("meta"):  # no random init, no second copy: the parameters are the checkpoint's
         model = NashMHC(cfg)
     try:
         result = model.load_state_dict(ckpt["model"], strict=False, assign=True)
     except RuntimeError as e:  # shape mismatch
-        raise CheckpointError(f"{where}: weights do not fit the stored config ({_first_line(e)})") from None
+        raise CheckpointError(f"{where}: weights do not fit the stored config ({first_line(e)})") from None
     if result.missing_keys or result.unexpected_keys:
         raise CheckpointError(f"{where}: unknown architecture: weights and stored config disagree (missing "
                               f"{sorted(result.missing_keys)[:3]}, unexpected {sorted(result.unexpected_keys)[:3]})")
@@ -222,8 +222,3 @@ def max_logit_difference(ours: NashMHC, theirs, tokens: torch.Tensor) -> tuple[f
     a = ours(tokens).logits.float()
     b = theirs(input_ids=tokens).logits.float()[..., :a.shape[-1]]
     return float((a - b).abs().max()), float(a.abs().max())
-
-
-def _first_line(e: BaseException) -> str:
-    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-    return (lines[0] if lines else type(e).__name__)[:300]

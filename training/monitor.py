@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from .checkpoint import atomic_write_text
+from .checkpoint import atomic_write_text, first_line
 
 # Dense bf16 peak FLOP/s of one device, for MFU (vendors' data sheets, without sparsity). A key
 # matches a device name that holds its words in order, whole: "L4" is not the "L40" in "NVIDIA
@@ -151,8 +151,7 @@ class Monitor:
                 info("warning: wandb is not installed (pip install wandb); logging.wandb ignored")
             except Exception as e:  # noqa: BLE001  no API key, no network, a bad entity: train on
                 # without it (only this process logs: raising here would leave the others waiting)
-                first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-                info(f"warning: wandb.init failed ({first}); logging.wandb is off for this run "
+                info(f"warning: wandb.init failed ({first_line(e)}); logging.wandb is off for this run "
                      "(wandb login, or logging.wandb.mode=offline)")
         if lc.progress_bar:
             from tqdm import tqdm
