@@ -231,14 +231,21 @@ class _Scalar:
 class _ConfigLoader(yaml.SafeLoader):
     """PyYAML's safe loader, with two changes for config files: a key given twice in one mapping is
     an error (PyYAML keeps the last silently), and plain scalars that are not strings (numbers,
-    booleans) keep their text, for string keys (``_Scalar``)."""
+    booleans, dates) keep their text, for string keys (``_Scalar``; keys themselves stay plain)."""
+
+    def construct_object(self, node, deep=False):
+        value = super().construct_object(node, deep)
+        if isinstance(node, yaml.ScalarNode) and node.style is None and \
+                isinstance(value, (bool, int, float, datetime.date)):
+            return _Scalar(node.value, value)
+        return value
 
     def construct_mapping(self, node, deep=False):
         seen = set()
         for key_node, _ in node.value:
             if key_node.tag == "tag:yaml.org,2002:merge":
                 continue
-            key = self.construct_object(key_node, deep=True)
+            key = _plain(self.construct_object(key_node, deep=True))
             try:
                 if key in seen:
                     raise yaml.constructor.ConstructorError(
@@ -246,34 +253,11 @@ class _ConfigLoader(yaml.SafeLoader):
                 seen.add(key)
             except TypeError:  # an unhashable key: SafeLoader says so itself
                 pass
-        return super().construct_mapping(node, deep)
+        return {_plain(k): v for k, v in super().construct_mapping(node, deep).items()}
 
-    def construct_object(self, node, deep=False):
-        value = super().construct_object(node, deep)
-        if isinstance(node, yaml.ScalarNode) and node.style is None and \
-                isinstance(value, (bool, int, float, datetime.date)) and self.constructing_value(node):
-            return _Scalar(node.value, value)
-        return value
 
-    def constructing_value(self, node) -> bool:
-        return node not in self._keys
-
-    def construct_document(self, node):
-        self._keys, self._seen = set(), set()
-        self._collect_keys(node)
-        return super().construct_document(node)
-
-    def _collect_keys(self, node) -> None:
-        if node in self._seen:  # an alias: its nodes are the anchor's (which may hold itself)
-            return
-        self._seen.add(node)
-        if isinstance(node, yaml.MappingNode):
-            for k, v in node.value:
-                self._keys.add(k)
-                self._collect_keys(v)
-        elif isinstance(node, yaml.SequenceNode):
-            for v in node.value:
-                self._collect_keys(v)
+def _plain(x: Any) -> Any:
+    return x.value if isinstance(x, _Scalar) else x
 
 
 def _coerce(value: Any, tp: Any, key: str) -> Any:
