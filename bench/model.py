@@ -5,6 +5,8 @@ XLA graph size per layer, and peak memory.
     .venv/bin/python bench/model.py --d-model 768 --n-heads 12 --n-kv-heads 12   # the small_gpu width
     .venv/bin/python bench/model.py --backends eager --profile --json out.json
     .venv/bin/python bench/model.py --hlo-only --variants baseline,nash-mhc   # HLO lines per layer, no timing
+    .venv/bin/python bench/model.py --backends xla --model-root /tmp/before --variants baseline,nash-mhc,root:nash-mhc
+                                        # before/after: /tmp/before's model (git worktree add /tmp/before REV) side by side
     .venv/bin/python bench/model.py --loss-steps 200 --loss-compare mhc_lite=false,mhc_lite=true   # the loss
 
 Variants (same width and depth; max_seq_len = --seq):
@@ -88,9 +90,36 @@ def tune_glibc_malloc() -> bool:
     return bool(libc.mallopt(m_mmap_threshold, 32 << 20)) and bool(libc.mallopt(m_trim_threshold, 1 << 30))
 
 
-def make_config(args, variant: str, **over):
-    from model import ModelConfig
+def model_module(args, variant: str):
+    """(model module, variant) for a variant name: ``root:NAME`` is NAME built by --model-root's
+    model.py (another checkout, loaded as a second module), timed in the same process as this
+    checkout's variants: before/after ratios measured side by side."""
+    if not variant.startswith("root:"):
+        import model
+        return model, variant
+    if not getattr(args, "model_root", None):
+        raise ValueError(f"variant {variant!r} needs --model-root")
+    name = "model_at_root"
+    if name not in sys.modules:
+        import importlib.util
+        path = Path(args.model_root) / "model.py"
+        if not path.is_file():
+            raise ValueError(f"--model-root {args.model_root}: no model.py there")
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name], variant[len("root:"):]
 
+
+def build_model(mcfg):
+    """The NashMHC of the module that ``mcfg``'s class comes from (this checkout's or --model-root's)."""
+    return sys.modules[type(mcfg).__module__].NashMHC(mcfg)
+
+
+def make_config(args, variant: str, **over):
+    module, variant = model_module(args, variant)
+    ModelConfig = module.ModelConfig
     base = dict(vocab_size=args.vocab, d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads,
                 n_kv_heads=args.n_kv_heads, max_seq_len=args.seq, mhc_streams=4, nash_scales=3,
                 nash_compression=4, nash_window=getattr(args, "window", 64), nash_iters=3,
@@ -145,10 +174,9 @@ def fwd_bwd(model, idx, tgt):
 def time_variants(args) -> dict:
     """Eager forward+backward (no optimiser) of ``args.variants``, interleaved (bench/run.py's speed section)."""
     import torch
-    from model import NashMHC
 
     torch.manual_seed(0)
-    models = {v: NashMHC(make_config(args, v)) for v in args.variants}
+    models = {v: build_model(make_config(args, v)) for v in args.variants}
     idx = torch.randint(0, args.vocab, (args.batch, args.seq))
     tgt = torch.randint(0, args.vocab, (args.batch, args.seq))
     res = interleaved({v: (lambda m=m: fwd_bwd(m, idx, tgt)) for v, m in models.items()}, args.warmup, args.repeats)
@@ -163,13 +191,12 @@ def time_variants(args) -> dict:
 def torch_step(args, variant: str, compiled: bool):
     """The eager or torch.compile training step of one variant (fused AdamW, as train.py on CPU/CUDA)."""
     import torch
-    from model import NashMHC
     from training.backend import TorchBackend, compile_blocks
     from training.config import TrainingConfig
     from training.optim import build_optimizer
 
     torch.manual_seed(0)
-    model = NashMHC(make_config(args, variant))
+    model = build_model(make_config(args, variant))
     if compiled:
         compile_blocks(model)                   # train.py's training.compile
     opt = build_optimizer(model, TrainingConfig(), TorchBackend("cpu").adamw_factory())
@@ -206,12 +233,11 @@ class XLAStepBuilder:
 
     def build(self, mcfg):
         import torch
-        from model import NashMHC
         from training.optim import build_optimizer
 
         torch.manual_seed(0)
         self.cfg.model = mcfg
-        model = self.backend.prepare_model(NashMHC(mcfg), self.cfg)
+        model = self.backend.prepare_model(build_model(mcfg), self.cfg)
         opt = build_optimizer(model, self.cfg.training, self.backend.adamw_factory())
         opt.init_state()
         self.backend.sync()
@@ -434,10 +460,9 @@ def memory_worker(args) -> None:
     """In a fresh process: build one variant, run a warm-up step (lazy initialisations), reset
     the resident-set high-water mark, run one step, print the RSS figures in bytes."""
     import torch
-    from model import NashMHC
 
     torch.manual_seed(0)
-    model = NashMHC(make_config(args, args.memory_worker))
+    model = build_model(make_config(args, args.memory_worker))
     idx = torch.randint(0, args.vocab, (args.batch, args.seq))
     tgt = torch.randint(0, args.vocab, (args.batch, args.seq))
     fwd_bwd(model, idx, tgt)
@@ -469,6 +494,8 @@ def forwarded(args) -> list[str]:
         out.append(f"--stream-dtype={args.stream_dtype}")
     if args.tuned_malloc:
         out.append("--tuned-malloc")
+    if args.model_root:
+        out.append(f"--model-root={args.model_root}")
     return out
 
 
@@ -568,7 +595,7 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=2, help="untimed rounds after each variant's first step")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (eager, compile)")
     p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
-                   help="comma-separated, from: " + ", ".join(VARIANTS))
+                   help="comma-separated, from: " + ", ".join(VARIANTS) + "; root:NAME: NAME with --model-root's model")
     p.add_argument("--no-memory", action="store_true", help="skip the per-variant memory processes (eager)")
     p.add_argument("--loss-steps", type=int, default=0, metavar="N",
                    help="only compare the --loss-compare settings: N training steps of the demo-shaped model each")
@@ -581,6 +608,8 @@ def main(argv=None) -> int:
     p.add_argument("--hlo-only", action="store_true", help="HLO lines per layer only (no timing)")
     p.add_argument("--hlo-root", metavar="DIR", help="also count HLO lines with DIR's bench/xla.py and model "
                    "(another checkout of the project), side by side: before/after")
+    p.add_argument("--model-root", metavar="DIR", help="another checkout of the project: variants named "
+                   "root:NAME are built by its model.py and timed in the same processes as this checkout's")
     p.add_argument("--tuned-malloc", action="store_true",
                    help="time with glibc malloc keeping freed memory (see tune_glibc_malloc)")
     p.add_argument("--profile", action="store_true", help="also print torch.profiler's top ops for eager nash-mhc")
@@ -590,13 +619,16 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
-    bad = [v for v in args.variants if v not in VARIANTS]
+    bad = [v for v in args.variants if v.removeprefix("root:") not in VARIANTS]
     if bad or not args.variants:
         print(f"error: --variants: unknown {bad or 'empty'}; choose from {', '.join(VARIANTS)}", file=sys.stderr)
         return 2
     bad = [b for b in backends if b not in BACKENDS]
     if bad or not backends:
         print(f"error: --backends: unknown {bad or 'empty'}; choose from {', '.join(BACKENDS)}", file=sys.stderr)
+        return 2
+    if (args.hlo or args.hlo_only) and any(v.startswith("root:") for v in args.variants):
+        print("error: --hlo/--hlo-only count this checkout's variants; --hlo-root counts another's", file=sys.stderr)
         return 2
     if min(args.batch, args.seq, args.repeats, args.threads) < 1 or args.warmup < 0:
         print("error: --batch, --seq, --repeats and --threads must be >= 1, --warmup >= 0", file=sys.stderr)

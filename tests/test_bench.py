@@ -240,3 +240,39 @@ def test_bench_model_rejects_a_bad_loss_setting_in_one_line():
     assert r.stderr.strip().splitlines() == [
         "error: mhc_lite=true needs mhc_streams <= 6 (it mixes all n! permutations; mhc_lite: false uses "
         "Sinkhorn), got 7"]
+
+
+# -- bench/model.py's --model-root (before/after side by side) ----------------------------------
+
+def test_model_root_variants_are_built_by_the_other_checkouts_model(tmp_path):
+    import argparse
+
+    import torch
+
+    import model
+    from bench import model as bench_model
+
+    other = tmp_path / "other"
+    other.mkdir()
+    # another checkout whose model differs visibly: one more default layer
+    (other / "model.py").write_text((ROOT / "model.py").read_text().replace(
+        'n_layers: int = _help("number of blocks", 4)', 'n_layers: int = _help("number of blocks", 5)'))
+    args = argparse.Namespace(vocab=64, d_model=32, n_layers=1, n_heads=2, n_kv_heads=2, seq=64, window=16,
+                              sinkhorn_iters=3, stream_dtype=None, model_root=str(other))
+    here, there = bench_model.make_config(args, "nash-mhc"), bench_model.make_config(args, "root:nash-mhc")
+    assert type(here) is model.ModelConfig and type(there).__module__ == "model_at_root"
+    assert type(there)().n_layers == 5 and there.n_layers == 1
+    torch.manual_seed(0)
+    a = bench_model.build_model(here)
+    torch.manual_seed(0)
+    b = bench_model.build_model(there)
+    assert type(b).__module__ == "model_at_root" and not isinstance(b, model.NashMHC)
+    idx = torch.randint(0, 64, (1, 64))
+    assert torch.equal(a(idx).logits, b(idx).logits)   # the same code: the same numbers
+
+
+def test_bench_model_root_variant_without_a_root_is_a_one_line_error():
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "model.py"), "--backends", "eager",
+                        "--variants", "baseline,root:baseline"], capture_output=True, text=True, env=ENV)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.strip().splitlines() == ["error: variant 'root:baseline' needs --model-root"]
