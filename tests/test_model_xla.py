@@ -83,11 +83,9 @@ print("REPORT " + json.dumps(report))
 @pytest.fixture(scope="module")
 def report():
     pytest.importorskip("torch_xla")
-    # LLVM optimisation level 0: compiling takes seconds instead of a minute; numbers are the same
-    flags = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0",
-                      "--xla_llvm_disable_expensive_passes=true"])
+    # os.environ carries tests/conftest.py's fast-compile XLA_FLAGS (LLVM without optimisation passes)
     env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "1", "PYTHONPATH": str(ROOT),
-           "TF_CPP_MIN_LOG_LEVEL": "3", "OMP_NUM_THREADS": "1", "XLA_FLAGS": flags.strip()}
+           "TF_CPP_MIN_LOG_LEVEL": "3", "OMP_NUM_THREADS": "1"}
     r = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, cwd=ROOT, env=env,
                        timeout=600)
     lines = [s for s in r.stdout.splitlines() if s.startswith("REPORT ")]

@@ -15,9 +15,8 @@ from training.config import ConfigError, load_config
 from training.data import data_fingerprint
 from training.monitor import peak_flops_for
 
-# LLVM at -O0: graphs compile in seconds; counts and numbers do not depend on it.
-FAST_XLA = {**ENV, "XLA_FLAGS": "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"}
-SPMD = {**FAST_XLA, "CPU_NUM_DEVICES": "4"}
+# ENV carries tests/conftest.py's fast-compile XLA_FLAGS: graph counts and numbers do not depend on them.
+SPMD = {**ENV, "CPU_NUM_DEVICES": "4"}
 # A small Nash-MHC (2 streams, 2 scales, a window) and 12 steps, evaluated once at the end.
 SMALL = {"model.d_model": 32, "model.sinkhorn_iters": 3, "data.seq_len": 16, "model.max_seq_len": 32,
          "model.nash_window": 8, "training.max_steps": 12, "evaluation.interval": 0,
@@ -144,7 +143,7 @@ def test_launch_checks_refuse_in_one_line_before_compiling(tmp_path, stdlib_data
     assert not (tmp_path / "run" / "xla_metrics.json").exists()
 
 
-def _train(tmp_path, name, stdlib_data, env=FAST_XLA, args=(), **over):
+def _train(tmp_path, name, stdlib_data, env=ENV, args=(), **over):
     d = tmp_path / name
     d.mkdir()
     r = run(["train_xla.py", str(tiny_config(d, stdlib_data, **{**SMALL, **over})), *args], env=env)
