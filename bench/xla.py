@@ -4,6 +4,7 @@ TPU): bench/run.py's XLA section runs them and reads the JSON each prints last.
     PJRT_DEVICE=CPU python bench/xla.py steps CONFIG [section.key=value ...] [--closures sync]
     PJRT_DEVICE=CPU python bench/xla.py accumulation CONFIG [...] --scheme gradient_accumulation
     PJRT_DEVICE=CPU python bench/xla.py compile CONFIG [section.key=value ...]
+    PJRT_DEVICE=CPU python bench/xla.py optimizer CONFIG [section.key=value ...] [--steps N]
 
 steps     the real Trainer (training/loop.py) with the XLA backend, each step's host-side time
           (from one train_step call to the next): log steps against the others, and device-to-host
@@ -19,12 +20,17 @@ accumulation  gradient accumulation three ways, on the model and optimiser of th
 compile   the training step's model graph (forward and backward of one micro-batch, built with
           the XLA backend's prepare_model, so ``xla.scan_layers`` applies as in training): its HLO
           lines before optimisation and its XLA compile time (torch_xla's CompileTime metric).
+optimizer the host time of tracing one AdamW update of the config's model (every parameter with
+          a gradient), with the XLA backend's AdamW (torch_xla's fused op per parameter) and with
+          training.optim's tensor-op AdamW (what the XLA backend used before), interleaved, and the
+          whole update (trace, sync, execution): medians over --steps rounds after 2.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -162,9 +168,53 @@ def compile_graph(config: str, overrides: list[str]) -> dict:
             "compilations": int(met.counter_value("UncachedCompile") or 0)}
 
 
+def optimizer_times(config: str, overrides: list[str], steps: int) -> dict:
+    import statistics
+
+    import torch
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+    import torch_xla.debug.metrics as met
+
+    from model import NashMHC
+    from training.config import load_config
+    from training.optim import AdamW, build_optimizer
+    from training.xla_backend import XLABackend
+
+    cfg = load_config(config, overrides)
+    cfg.data.dir = tempfile.mkdtemp(prefix="bench-xla-optimizer-")  # no data is read; the backend
+    Path(cfg.data.dir, "meta.json").write_text("{}")                 # checks meta.json's fingerprint
+    backend = XLABackend(cfg)
+    torch.manual_seed(0)
+    model = backend.prepare_model(NashMHC(cfg.model), cfg)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 1e-3)
+    opts = {"xla_backend": build_optimizer(model, cfg.training, backend.adamw_factory()),
+            "tensor_ops": build_optimizer(model, cfg.training, AdamW)}
+    for opt in opts.values():
+        opt.init_state()
+        backend.prepare_optimizer(opt)
+    torch_xla.sync()
+    times = {k: {"trace_ms": [], "update_ms": []} for k in opts}
+    for r in range(steps + 2):
+        for name, opt in opts.items():
+            t0 = time.perf_counter()
+            opt.step()
+            t1 = time.perf_counter()
+            torch_xla.sync()
+            xm.wait_device_ops()
+            t2 = time.perf_counter()
+            if r >= 2:
+                times[name]["trace_ms"].append((t1 - t0) * 1e3)
+                times[name]["update_ms"].append((t2 - t0) * 1e3)
+    return {"parameters": sum(1 for _ in model.parameters()), "rounds": steps,
+            "fallbacks": sorted(n for n in met.counter_names() if n.startswith("aten::")),
+            **{name: {k: statistics.median(v) for k, v in t.items()} for name, t in times.items()}}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("what", choices=("steps", "accumulation", "compile"))
+    p.add_argument("what", choices=("steps", "accumulation", "compile", "optimizer"))
     p.add_argument("config")
     p.add_argument("overrides", nargs="*")
     p.add_argument("--closures", choices=("async", "sync"), default="async")
@@ -175,6 +225,8 @@ def main(argv=None) -> int:
         res = step_times(args.config, args.overrides, args.closures)
     elif args.what == "accumulation":
         res = accumulation(args.config, args.overrides, args.scheme, args.steps)
+    elif args.what == "optimizer":
+        res = optimizer_times(args.config, args.overrides, args.steps)
     else:
         res = compile_graph(args.config, args.overrides)
     print("RESULT " + json.dumps(res), flush=True)

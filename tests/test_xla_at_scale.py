@@ -143,6 +143,63 @@ def test_launch_checks_refuse_in_one_line_before_compiling(tmp_path, stdlib_data
     assert not (tmp_path / "run" / "xla_metrics.json").exists()
 
 
+ADAMW = r"""
+import json, torch, torch_xla
+import torch_xla.debug.metrics as met
+from training.xla_backend import XLAAdamW
+
+def params(device):
+    g = torch.Generator().manual_seed(0)
+    return [torch.nn.Parameter(torch.randn(8, 6, generator=g).to(device)),
+            torch.nn.Parameter(torch.randn(6, generator=g).to(device))]
+
+def groups(ps):
+    return [{"params": ps[:1], "weight_decay": 0.1}, {"params": ps[1:], "weight_decay": 0.0}]
+
+dev = torch_xla.device()
+ours, ref = params(dev), params("cpu")
+opt = XLAAdamW(groups(ours), lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+ref_opt = torch.optim.AdamW(groups(ref), lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+out = {"compiles": [], "diff": []}
+g = torch.Generator().manual_seed(1)
+for step in range(8):
+    skip = step == 4                       # NaN gradients, found_inf = 1: nothing may change
+    grads = [torch.full(p.shape, float("nan")) if skip else torch.randn(p.shape, generator=g) for p in ref]
+    for group in ref_opt.param_groups + opt.param_groups:
+        group["lr"] = 1e-2 * (1.0 - 0.1 * step)          # a schedule: a new lr every step
+    for p, q, gr in zip(ours, ref, grads):
+        p.grad, q.grad = gr.to(dev), gr.clone()
+    opt.found_inf = (~torch.isfinite(ours[0].grad.sum())).float()   # as the loop decides it, on the device
+    opt.step()
+    if not skip:
+        ref_opt.step()
+    torch_xla.sync()
+    out["compiles"].append(int(met.counter_value("UncachedCompile") or 0))
+    out["diff"].append(max((p.cpu() - q.detach()).abs().max().item() for p, q in zip(ours, ref)))
+st = opt.state_dict()["state"]
+out["steps"] = [float(s["step"].cpu()) for s in st.values()]
+out["state_diff"] = max((st[i][k].cpu() - ref_opt.state_dict()["state"][i][k]).abs().max().item()
+                        for i in st for k in ("exp_avg", "exp_avg_sq"))
+print("REPORT " + json.dumps(out))
+"""
+
+
+@pytest.mark.xla
+def test_xla_adamw_is_torch_adamw_and_skips_in_one_graph():
+    """The XLA backend's AdamW (torch_xla's fused op) against torch.optim.AdamW: same parameters
+    and state over 7 updates with a new learning rate each step; a step with NaN gradients and
+    found_inf = 1 changes nothing (not even the step count); the learning rate is not a new graph."""
+    r = subprocess.run([sys.executable, "-c", ADAMW], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300, env={**ENV, "PYTHONPATH": str(ROOT)})
+    lines = [s for s in r.stdout.splitlines() if s.startswith("REPORT ")]
+    assert r.returncode == 0 and lines, r.stderr[-3000:]
+    out = json.loads(lines[-1][len("REPORT "):])
+    assert max(out["diff"]) < 1e-6 and out["state_diff"] < 1e-6, out
+    assert out["steps"] == [7.0, 7.0]
+    # the first update has no state yet (its inputs are constants); every later one is one graph
+    assert len(set(out["compiles"][2:])) == 1, out["compiles"]
+
+
 def _train(tmp_path, name, stdlib_data, env=ENV, args=(), **over):
     d = tmp_path / name
     d.mkdir()

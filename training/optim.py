@@ -4,7 +4,8 @@ Every optimiser here can skip an update without a host sync: before ``step()`` t
 ``optimizer.found_inf`` to a 0-dim float tensor (1.0: skip this update). That is the convention of
 PyTorch's fused AdamW (the attribute GradScaler uses), which we use on CPU and CUDA; ``AdamW`` below
 is the same algorithm in plain tensor ops with the same state layout (``step``, ``exp_avg``,
-``exp_avg_sq`` per parameter), for devices without a fused kernel (XLA), so checkpoints move freely
+``exp_avg_sq`` per parameter), for devices without a fused kernel (MPS; on XLA its subclass
+``training.xla_backend.XLAAdamW`` runs torch_xla's fused op instead), so checkpoints move freely
 between the trainers. ``Muon`` orthogonalises the momentum of 2-D hidden matrices and runs AdamW on
 the rest.
 """
