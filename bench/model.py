@@ -31,7 +31,11 @@ Every backend runs in its own process. In it, every variant first takes one step
 of the compiler land on none of them), then all take turns, one step each per round, so a change
 in the machine's load hits them alike: the median over --repeats rounds after --warmup rounds, as
 wall time and as the process's CPU time. "x baseline" divides by the baseline measured in the same
-process. The component split: mhc-only and nash-only against the baseline.
+process. The component split: mhc-only and nash-only against the baseline. Warm-ups in one
+process are not independent: a kernel whose source an earlier variant already compiled is not
+compiled again (inductor's in-process code cache), so every variant after the first may warm up
+faster than it would alone, the more so the more of its graph it shares with an earlier one
+(root:NAME right after NAME). Compare such warm-ups in separate runs.
 
 HLO lines per layer (--hlo, --hlo-only): bench/xla.py's ``compile`` (the training
 step's model graph, forward + backward, as the XLA backend builds it, unrolled) in a fresh process

@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import model as M
-from model import ModelConfig, NashMHC, nash_distances, nash_equilibrium, scale_gram, sinkhorn_knopp
+from model import (ModelConfig, NashMHC, nash_distances, nash_equilibrium, nash_rounds_by_scale, nash_start,
+                   scale_gram, scale_gram_pairs, sinkhorn_knopp)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -290,6 +291,11 @@ def test_nash_weights_on_the_simplex_of_valid_scales(case, tau, iters):
     amplification = (1.0 + 2.0 * g_max / tau) ** iters
     tol = 64 * torch.finfo(torch.float64).eps * (1.0 + g_max) / tau * amplification
     diff = (nash_equilibrium(o64, valid, tau, iters) - _nash_direct(o64, valid, tau, iters)).abs().max().item()
+    assert diff <= max(tol, 1e-12), (diff, tol)
+    # and the per-scale form the model runs in eager PyTorch and under torch.compile
+    by_scale = nash_rounds_by_scale(scale_gram_pairs(o64.unbind(dim=-2)), *nash_start(valid, torch.float64),
+                                    tau, iters)
+    diff = (by_scale - _nash_direct(o64, valid, tau, iters)).abs().max().item()
     assert diff <= max(tol, 1e-12), (diff, tol)
 
 
