@@ -176,6 +176,23 @@ for step in range(8):
     torch_xla.sync()
     out["compiles"].append(int(met.counter_value("UncachedCompile") or 0))
     out["diff"].append(max((p.cpu() - q.detach()).abs().max().item() for p, q in zip(ours, ref)))
+# Muon from build_optimizer with the XLA backend's AdamW: its AdamW group (the bias) takes the
+# fused op too, and the whole update is Muon's on the CPU
+from training.config import TrainingConfig
+from training.optim import Muon, build_optimizer
+def linear(device):
+    torch.manual_seed(0)
+    return torch.nn.Linear(6, 8).to(device)
+mx, mc = linear(dev), linear("cpu")
+ox, oc = build_optimizer(mx, TrainingConfig(optimizer="muon"), XLAAdamW), build_optimizer(mc, TrainingConfig(optimizer="muon"))
+out["muon_types"] = [isinstance(ox, Muon), isinstance(ox, XLAAdamW), type(oc) is Muon]
+for step in range(4):
+    for p, q in zip(mx.parameters(), mc.parameters()):
+        q.grad = torch.randn(q.shape, generator=g)
+        p.grad = q.grad.to(dev)
+    ox.step(), oc.step()
+    torch_xla.sync()
+out["muon_diff"] = max((p.cpu() - q.detach()).abs().max().item() for p, q in zip(mx.parameters(), mc.parameters()))
 st = opt.state_dict()["state"]
 out["steps"] = [float(s["step"].cpu()) for s in st.values()]
 out["state_diff"] = max((st[i][k].cpu() - ref_opt.state_dict()["state"][i][k]).abs().max().item()
@@ -188,7 +205,8 @@ print("REPORT " + json.dumps(out))
 def test_xla_adamw_is_torch_adamw_and_skips_in_one_graph():
     """The XLA backend's AdamW (torch_xla's fused op) against torch.optim.AdamW: same parameters
     and state over 7 updates with a new learning rate each step; a step with NaN gradients and
-    found_inf = 1 changes nothing (not even the step count); the learning rate is not a new graph."""
+    found_inf = 1 changes nothing (not even the step count); the learning rate is not a new graph.
+    Muon built with it runs the fused op for its AdamW groups and matches Muon on the CPU."""
     r = subprocess.run([sys.executable, "-c", ADAMW], cwd=ROOT, capture_output=True, text=True,
                        timeout=300, env={**ENV, "PYTHONPATH": str(ROOT)})
     lines = [s for s in r.stdout.splitlines() if s.startswith("REPORT ")]
@@ -198,6 +216,7 @@ def test_xla_adamw_is_torch_adamw_and_skips_in_one_graph():
     assert out["steps"] == [7.0, 7.0]
     # the first update has no state yet (its inputs are constants); every later one is one graph
     assert len(set(out["compiles"][2:])) == 1, out["compiles"]
+    assert out["muon_types"] == [True, True, True] and out["muon_diff"] < 1e-5, out
 
 
 def _train(tmp_path, name, stdlib_data, env=ENV, args=(), **over):

@@ -184,8 +184,9 @@ class Muon(AdamW):
 def build_optimizer(model: nn.Module, tcfg, adamw_factory=None) -> torch.optim.Optimizer:
     """The optimiser the config asks for, with weight decay on matrices only.
 
-    ``adamw_factory(groups, **kw)`` lets a backend choose the AdamW implementation (fused on
-    CPU/CUDA, the tensor-op one on XLA); all share one state layout.
+    ``adamw_factory(groups, **kw)`` lets a backend choose the AdamW implementation (torch's fused
+    kernel on CPU/CUDA, training.xla_backend.XLAAdamW on XLA); all share one state layout. A factory
+    that subclasses ``AdamW`` also updates Muon's AdamW groups.
     """
     matrices, embeds, vectors = split_params(model)
     if tcfg.optimizer == "muon":
@@ -193,7 +194,11 @@ def build_optimizer(model: nn.Module, tcfg, adamw_factory=None) -> torch.optim.O
             {"params": matrices, "use_muon": True, "lr": tcfg.muon_lr, "weight_decay": tcfg.weight_decay},
             {"params": embeds + vectors, "use_muon": False, "lr": tcfg.learning_rate, "weight_decay": 0.0},
         ]
-        opt = Muon(groups, lr=tcfg.muon_lr, momentum=tcfg.muon_momentum, betas=tcfg.betas, eps=tcfg.eps)
+        muon = Muon
+        if isinstance(adamw_factory, type) and issubclass(adamw_factory, AdamW) and adamw_factory is not AdamW:
+            # a backend's own AdamW update (XLA: torch_xla's fused op) for Muon's AdamW groups too
+            muon = type("Muon" + adamw_factory.__name__, (Muon, adamw_factory), {})
+        opt = muon(groups, lr=tcfg.muon_lr, momentum=tcfg.muon_momentum, betas=tcfg.betas, eps=tcfg.eps)
     else:
         groups = [{"params": matrices, "weight_decay": tcfg.weight_decay},
                   {"params": embeds + vectors, "weight_decay": 0.0}]
