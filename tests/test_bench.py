@@ -276,3 +276,32 @@ def test_bench_model_root_variant_without_a_root_is_a_one_line_error():
                         "--variants", "baseline,root:baseline"], capture_output=True, text=True, env=ENV)
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr.strip().splitlines() == ["error: variant 'root:baseline' needs --model-root"]
+
+
+def test_compile_warmups_are_measured_alone(monkeypatch):
+    """In one worker the later variants reuse kernels the earlier ones compiled; the compile
+    backend's warm-up is each variant's in a worker of its own, the shared figure kept aside."""
+    import argparse
+
+    from bench import model as bench_model
+
+    calls = []
+
+    def fake_worker(args, backend, extra=()):
+        calls.append((backend, tuple(extra)))
+        if extra:   # alone: --variants=NAME --warmup-only
+            v = extra[0].split("=", 1)[1]
+            return {"results": {v: {"params": 1, "warmup_s": {"baseline": 10.0, "nash-mhc": 40.0}[v]}}}
+        return {"results": {"baseline": {"params": 1, "warmup_s": 10.0, "wall_s": 1.0},
+                            "nash-mhc": {"params": 1, "warmup_s": 30.0, "wall_s": 1.2}}}
+
+    monkeypatch.setattr(bench_model, "run_worker", fake_worker)
+    args = argparse.Namespace(variants=["baseline", "nash-mhc"])
+    out = bench_model.run_backend(args, "compile")["results"]
+    assert out["nash-mhc"]["warmup_s"] == 40.0 and out["nash-mhc"]["warmup_shared_s"] == 30.0
+    assert out["baseline"]["warmup_s"] == 10.0 and out["nash-mhc"]["wall_s"] == 1.2
+    assert calls == [("compile", ()), ("compile", ("--variants=baseline", "--warmup-only")),
+                     ("compile", ("--variants=nash-mhc", "--warmup-only"))]
+    calls.clear()
+    assert bench_model.run_backend(args, "eager")["results"]["nash-mhc"]["warmup_s"] == 30.0
+    assert calls == [("eager", ())]
