@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -176,14 +175,14 @@ def optimizer_times(config: str, overrides: list[str], steps: int) -> dict:
     import torch_xla.core.xla_model as xm
     import torch_xla.debug.metrics as met
 
+    from bench.model import bare_data_dir
     from model import NashMHC
     from training.config import load_config
     from training.optim import AdamW, build_optimizer
     from training.xla_backend import XLABackend
 
     cfg = load_config(config, overrides)
-    cfg.data.dir = tempfile.mkdtemp(prefix="bench-xla-optimizer-")  # no data is read; the backend
-    Path(cfg.data.dir, "meta.json").write_text("{}")                 # checks meta.json's fingerprint
+    cfg.data.dir = bare_data_dir()  # no data is read
     backend = XLABackend(cfg)
     torch.manual_seed(0)
     model = backend.prepare_model(NashMHC(cfg.model), cfg)
