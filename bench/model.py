@@ -17,6 +17,8 @@ Variants (same width and depth; max_seq_len = --seq):
   baseline-window    mhc_streams 1, nash_scales 1, window --window (not run unless asked for)
   nash-mhc-sinkhorn  nash-mhc with mhc_lite false: H_res by --sinkhorn-iters Sinkhorn-Knopp iterations
   mhc-sinkhorn-only  mhc-only with mhc_lite false
+  NAME+field=value   any of these with model settings changed, joined by + as in --loss-compare
+                     (nash-only+aggregation=mean: the scales without the Nash game)
 
 The step is forward + backward + AdamW (no clipping), fp32, batch --batch x seq --seq, on:
   eager    PyTorch eager on the CPU with --threads intra-op threads, torch's fused AdamW (train.py's CPU step)
@@ -24,8 +26,8 @@ The step is forward + backward + AdamW (no clipping), fp32, batch --batch x seq 
            CPU; every block reuses the first's graph), the rest eager, fused AdamW; a fresh inductor
            cache, so the warm-up is a real compilation
   xla      PJRT CPU as train_xla.py runs it: training.xla_backend.XLABackend places the model, the
-           tensor-op AdamW of training.optim, one XLA graph per step (torch_xla.sync()); a step ends
-           when its loss reaches the host
+           AdamW of the backend (torch_xla's fused update per parameter), one XLA graph per step
+           (torch_xla.sync()); a step ends when its loss reaches the host
 Every backend runs in its own process. In it, every variant first takes one step alone (its
 "warm-up": compilation included, after a tiny model has been compiled once so that one-time costs
 of the compiler land on none of them), then all take turns, one step each per round, so a change
@@ -121,15 +123,24 @@ def build_model(mcfg):
     return sys.modules[type(mcfg).__module__].NashMHC(mcfg)
 
 
+def split_variant(variant: str, module=None) -> tuple[str, dict]:
+    """``NAME+field=value[+field=value]`` -> (NAME, the settings); a ValueError names a bad one."""
+    name, *settings = variant.split("+")
+    if name not in VARIANTS:
+        raise ValueError(f"--variants: unknown {name!r}; choose from {', '.join(VARIANTS)}")
+    return name, (parse_setting("+".join(settings), "--variants", module) if settings else {})
+
+
 def make_config(args, variant: str, **over):
     module, variant = model_module(args, variant)
+    variant, settings = split_variant(variant, module)
     ModelConfig = module.ModelConfig
     base = dict(vocab_size=args.vocab, d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads,
                 n_kv_heads=args.n_kv_heads, max_seq_len=args.seq, mhc_streams=4, nash_scales=3,
                 nash_compression=4, nash_window=getattr(args, "window", 64), nash_iters=3,
                 sinkhorn_iters=args.sinkhorn_iters)
     extra = dict(stream_dtype=args.stream_dtype) if getattr(args, "stream_dtype", None) else {}
-    return ModelConfig(**{**base, **extra, **VARIANTS[variant], **over})
+    return ModelConfig(**{**base, **extra, **VARIANTS[variant], **settings, **over})
 
 
 def _status_kib(field: str) -> int:
@@ -399,24 +410,28 @@ def parse_loss_settings(text: str) -> dict[str, dict]:
     """``--loss-compare``: comma-separated settings, each one or more ``field=value`` of the model
     joined by ``+`` (``mhc_lite=true``, ``sinkhorn_iters=5+stream_dtype=bf16``); values as YAML reads
     them. A ValueError names a bad entry."""
-    import yaml
-    from model import ModelConfig
-
-    fields = {f.name for f in dataclasses.fields(ModelConfig)}
-    out = {}
-    for entry in (e.strip() for e in text.split(",")):
-        if not entry:
-            continue
-        over = {}
-        for kv in entry.split("+"):
-            key, sep, value = kv.partition("=")
-            if not sep or key.strip() not in fields:
-                raise ValueError(f"--loss-compare: {kv!r} is not field=value with a model field")
-            over[key.strip()] = yaml.safe_load(value)
-        out[entry] = over
+    out = {entry: parse_setting(entry, "--loss-compare")
+           for entry in (e.strip() for e in text.split(",")) if entry}
     if len(out) < 1:
         raise ValueError("--loss-compare: no settings")
     return out
+
+
+def parse_setting(entry: str, option: str, module=None) -> dict:
+    """One setting, ``field=value[+field=value]`` of the model's config (``module``'s, default this
+    checkout's model.py), values as YAML reads them; a ValueError names a bad one."""
+    import yaml
+
+    if module is None:
+        import model as module
+    fields = {f.name for f in dataclasses.fields(module.ModelConfig)}
+    over = {}
+    for kv in entry.split("+"):
+        key, sep, value = kv.partition("=")
+        if not sep or key.strip() not in fields:
+            raise ValueError(f"{option}: {kv!r} is not field=value with a model field")
+        over[key.strip()] = yaml.safe_load(value)
+    return over
 
 
 def loss_model_config(over: dict):
@@ -613,7 +628,8 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=2, help="untimed rounds after each variant's first step")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (eager, compile)")
     p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
-                   help="comma-separated, from: " + ", ".join(VARIANTS) + "; root:NAME: NAME with --model-root's model")
+                   help="comma-separated, from: " + ", ".join(VARIANTS) + "; NAME+field=value[+...]: NAME with "
+                        "model settings changed; root:NAME: NAME with --model-root's model")
     p.add_argument("--no-memory", action="store_true", help="skip the per-variant memory processes (eager)")
     p.add_argument("--loss-steps", type=int, default=0, metavar="N",
                    help="only compare the --loss-compare settings: N training steps of the demo-shaped model each")
@@ -638,9 +654,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
-    bad = [v for v in args.variants if v.removeprefix("root:") not in VARIANTS]
-    if bad or not args.variants:
-        print(f"error: --variants: unknown {bad or 'empty'}; choose from {', '.join(VARIANTS)}", file=sys.stderr)
+    if not args.variants:
+        print(f"error: --variants: empty; choose from {', '.join(VARIANTS)}", file=sys.stderr)
         return 2
     bad = [b for b in backends if b not in BACKENDS]
     if bad or not backends:

@@ -305,3 +305,23 @@ def test_compile_warmups_are_measured_alone(monkeypatch):
     calls.clear()
     assert bench_model.run_backend(args, "eager")["results"]["nash-mhc"]["warmup_s"] == 30.0
     assert calls == [("eager", ())]
+
+
+def test_variants_take_model_settings_and_bad_ones_name_the_option():
+    import argparse
+
+    from bench import model as bench_model
+
+    args = argparse.Namespace(vocab=64, d_model=32, n_layers=1, n_heads=2, n_kv_heads=2, seq=64, window=16,
+                              sinkhorn_iters=3, stream_dtype=None, model_root=None)
+    plain, game_off = (bench_model.make_config(args, v) for v in ("nash-only", "nash-only+aggregation=mean"))
+    assert (plain.aggregation, game_off.aggregation) == ("nash", "mean")
+    assert {k: v for k, v in vars(game_off).items() if k != "aggregation"} == \
+           {k: v for k, v in vars(plain).items() if k != "aggregation"}
+    two = bench_model.make_config(args, "nash-mhc+mhc_lite=false+sinkhorn_iters=5")
+    assert (two.mhc_lite, two.sinkhorn_iters, two.mhc_streams) == (False, 5, 4)
+    for bad, msg in (("nash-onl", "--variants: unknown 'nash-onl'"),
+                     ("nash-only+aggregaton=mean", "--variants: 'aggregaton=mean' is not field=value"),
+                     ("nash-only+", "--variants: '' is not field=value")):
+        with pytest.raises(ValueError, match=msg):
+            bench_model.make_config(args, bad)
