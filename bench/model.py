@@ -566,7 +566,8 @@ def render(args, report: dict) -> str:
          f"start, {report['load'][1]:.2f} at the end"]
     timed = {b: r for b, r in report["backends"].items() if "results" in r}
     if timed:
-        L += ["", f"{'backend':<9}{'variant':<19}{'params':>11}{'step wall':>12}{'step CPU':>11}{'x baseline':>13}"
+        w = max([19] + [len(v) + 2 for r in timed.values() for v in r["results"]])   # NAME+field=value ones
+        L += ["", f"{'backend':<9}{'variant':<{w}}{'params':>11}{'step wall':>12}{'step CPU':>11}{'x baseline':>13}"
                   f"{'warm-up':>10}{'x baseline':>12}"]
         for b, r in timed.items():
             res, ref = r["results"], r["results"].get("baseline")
@@ -576,7 +577,7 @@ def render(args, report: dict) -> str:
                 mem = ""
                 if "peak_rss" in x:
                     mem = f"{x['peak_rss'] / 2**20:>9.0f}MiB peak{x['step_rss'] / 2**20:>7.0f}MiB step"
-                L.append(f"{b:<9}{v:<19}{x['params']:>11,}{x['wall_s'] * 1e3:>10.1f}ms{x['cpu_s'] * 1e3:>9.1f}ms"
+                L.append(f"{b:<9}{v:<{w}}{x['params']:>11,}{x['wall_s'] * 1e3:>10.1f}ms{x['cpu_s'] * 1e3:>9.1f}ms"
                          f"{ratio:>13}{x['warmup_s']:>9.1f}s{wratio:>12}{mem}")
         L.append("x baseline: wall / CPU time (warm-up: wall; compile: each variant's alone, in a process of its "
                  "own) over 'baseline' in the same process; targets for "
