@@ -1144,12 +1144,41 @@ def _component(name: str) -> str:
     return "attention"
 
 
+def unique_key_loader():
+    """PyYAML's safe loader, except that a key given twice in one mapping is an error (PyYAML keeps
+    the last one silently: an edited config would quietly train something else). ``_key`` turns a
+    constructed key into what is compared (a subclass that wraps scalars unwraps them there)."""
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        @staticmethod
+        def _key(obj):
+            return obj
+
+        def construct_mapping(self, node, deep=False):
+            seen = set()
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self._key(self.construct_object(key_node, deep=True))
+                try:
+                    if key in seen:
+                        raise yaml.constructor.ConstructorError(
+                            None, None, f"duplicate key {key!r}", key_node.start_mark)
+                    seen.add(key)
+                except TypeError:  # an unhashable key: SafeLoader says so itself
+                    pass
+            return super().construct_mapping(node, deep)
+
+    return UniqueKeyLoader
+
+
 def load_model_config(path: str) -> ModelConfig:
-    """The ``model:`` section of a YAML config file."""
+    """The ``model:`` section of a YAML config file (a key given twice is an error, as in training)."""
     import yaml
 
     with open(path) as f:
-        tree = yaml.safe_load(f)
+        tree = yaml.load(f, Loader=unique_key_loader())
     if not isinstance(tree, dict) or "model" not in tree:
         raise ValueError(f"{path}: no 'model:' section")
     return ModelConfig.from_dict(tree["model"] if tree["model"] is not None else {})

@@ -675,6 +675,7 @@ def test_cli_summary_of_the_3b_config():
     ("model:\n  d_modle: 64\n", "d_modle: unknown model field (did you mean 'd_model'?)"),
     ("model:\n  d_model: 100\n  n_heads: 3\n", "d_model=100 is not divisible by n_heads=3"),
     ("training: {}\n", "no 'model:' section"),
+    ("model:\n  d_model: 64\n  n_heads: 4\n  d_model: 128\n", "duplicate key 'd_model'"),
     ("model: [\n", "error:"),
     (None, "No such file"),
 ])

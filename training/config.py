@@ -22,7 +22,7 @@ from typing import Any, Literal, Optional
 
 import yaml
 
-from model import ModelConfig
+from model import ModelConfig, unique_key_loader
 
 
 class ConfigError(ValueError):
@@ -228,10 +228,10 @@ class _Scalar:
         return self.text.strip()
 
 
-class _ConfigLoader(yaml.SafeLoader):
-    """PyYAML's safe loader, with two changes for config files: a key given twice in one mapping is
-    an error (PyYAML keeps the last silently), and plain scalars that are not strings (numbers,
-    booleans, dates) keep their text, for string keys (``_Scalar``; keys themselves stay plain)."""
+class _ConfigLoader(unique_key_loader()):
+    """model.py's loader (PyYAML's safe loader; a key given twice in one mapping is an error), whose
+    plain scalars that are not strings (numbers, booleans, dates) also keep their text, for string
+    keys (``_Scalar``; keys themselves stay plain)."""
 
     def construct_object(self, node, deep=False):
         value = super().construct_object(node, deep)
@@ -240,19 +240,11 @@ class _ConfigLoader(yaml.SafeLoader):
             return _Scalar(node.value, value)
         return value
 
+    @staticmethod
+    def _key(obj):
+        return _plain(obj)
+
     def construct_mapping(self, node, deep=False):
-        seen = set()
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":
-                continue
-            key = _plain(self.construct_object(key_node, deep=True))
-            try:
-                if key in seen:
-                    raise yaml.constructor.ConstructorError(
-                        None, None, f"duplicate key {key!r}", key_node.start_mark)
-                seen.add(key)
-            except TypeError:  # an unhashable key: SafeLoader says so itself
-                pass
         return {_plain(k): v for k, v in super().construct_mapping(node, deep).items()}
 
 
