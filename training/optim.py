@@ -123,24 +123,33 @@ class AdamW(torch.optim.Optimizer):
 
 
 def newton_schulz(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
-    """Approximately orthogonalise a matrix (the quintic iteration of Muon)."""
+    """Approximately orthogonalise a matrix, or each matrix of a batch ``[..., m, n]`` (the quintic
+    iteration of Muon, in fp32; each matrix is first divided by its own Frobenius norm)."""
     a, b, c = 3.4445, -4.7750, 2.0315
     x = g.float()
-    transposed = x.shape[0] > x.shape[1]
+    transposed = x.shape[-2] > x.shape[-1]
     if transposed:
-        x = x.T
-    x = x / (x.norm() + 1e-7)
+        x = x.mT
+    x = x / (x.norm(dim=(-2, -1), keepdim=True) + 1e-7)
     for _ in range(steps):
-        s = x @ x.T
+        s = x @ x.mT
         x = a * x + (b * s + c * s @ s) @ x
-    return x.T if transposed else x
+    return x.mT if transposed else x
 
 
 class Muon(AdamW):
     """Muon on groups with ``use_muon=True`` (2-D matrices), AdamW on the others.
 
     Muon: Nesterov momentum, orthogonalised by Newton-Schulz, scaled by sqrt(max(1, rows/cols)),
-    decoupled weight decay. Skips the whole update (state included) where ``found_inf`` is 1.
+    decoupled weight decay (``torch.optim.Muon``'s algorithm, with Newton-Schulz in fp32 where torch
+    runs it in bf16). Skips the whole update (state included) where ``found_inf`` is 1.
+
+    Matrices of one shape (the same projection in every layer) are orthogonalised together, as one
+    batch: a few large products instead of many small ones, and on XLA a trace per shape, not per
+    matrix (``bench/xla.py optimizer configs/demo.yaml training.optimizer=muon``, PJRT CPU: 108 ->
+    60 ms of host time per update, 166 -> 113 ms for the whole update). One shape at a time: the
+    memory it takes beyond the per-matrix form is that shape's matrices' updates and Newton-Schulz
+    temporaries (n_layers of them), not the whole model's.
     """
 
     def __init__(self, param_groups, lr=0.02, momentum=0.95, betas=(0.9, 0.95), eps=1e-8,
@@ -170,15 +179,22 @@ class Muon(AdamW):
             keep = 1.0 - found_inf
             skip = found_inf > 0
             mu, lr, wd = group["momentum"], group["lr"], group["weight_decay"]
+            by_shape: dict[tuple, list] = {}
             for p in ps:
-                buf = self._state(p, group)["momentum_buffer"]
-                g = torch.where(skip, torch.zeros_like(p.grad), p.grad)
-                buf.mul_(1.0 - (1.0 - mu) * keep).add_(g, alpha=1.0 - mu)  # lerp towards g
-                update = g.lerp(buf, mu)  # Nesterov
-                o = newton_schulz(update, group["ns_steps"]).to(p.dtype)
-                scale = max(1.0, p.shape[0] / p.shape[1]) ** 0.5
-                p.mul_(1.0 - lr * wd * keep)
-                p.sub_(o * (lr * scale * keep))
+                by_shape.setdefault(tuple(p.shape), []).append(p)
+            for shape, same in by_shape.items():   # one shape's updates alive at a time
+                updates = []
+                for p in same:
+                    buf = self._state(p, group)["momentum_buffer"]
+                    g = torch.where(skip, torch.zeros_like(p.grad), p.grad)
+                    buf.mul_(1.0 - (1.0 - mu) * keep).add_(g, alpha=1.0 - mu)  # lerp towards g
+                    updates.append(g.lerp(buf, mu))  # Nesterov
+                o = newton_schulz(torch.stack(updates), group["ns_steps"])
+                del updates
+                scale = max(1.0, shape[0] / shape[1]) ** 0.5
+                for p, o_p in zip(same, o.unbind(0)):
+                    p.mul_(1.0 - lr * wd * keep)
+                    p.sub_(o_p.to(p.dtype) * (lr * scale * keep))
 
 
 def build_optimizer(model: nn.Module, tcfg, adamw_factory=None) -> torch.optim.Optimizer:
