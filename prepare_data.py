@@ -25,6 +25,7 @@ import fnmatch
 import hashlib
 import json
 import os
+import re
 import secrets
 import shlex
 import shutil
@@ -571,9 +572,8 @@ def check_out(out: Path, given: str, overwrite: bool) -> None:
         raise DataError(f"--out {given}: directory is not empty ({len(entries)} entries); "
                         f"pass --overwrite to replace it")
     ours = set(TOKENIZER_FILES) | {"meta.json"}
-    for name in entries:
-        if not (name in ours or fnmatch.fnmatchcase(name, "train_*.npy")
-                or fnmatch.fnmatchcase(name, "val_*.npy")):
+    for name in entries:  # shards are train_00000.npy, val_00000.npy, ... (train_notes.npy is not one)
+        if not (name in ours or re.fullmatch(r"(train|val)_\d{5,}\.npy", name)):
             raise DataError(f"--out {given}: holds {name!r}, which {PROG} does not write; "
                             f"refusing to replace the directory")
 

@@ -508,6 +508,8 @@ def _bad_cases(tmp: Path) -> dict:
     old = tmp / "old"  # a previous output, to be left untouched by every failure
     assert run("--input", ok, "--vocab-size", 300, "--out", old) == 0
     foreign = write_docs(tmp / "foreign", {"notes.md": "mine", "meta.json": "{}"})
+    # named like a shard, but not one prepare_data.py writes: a user's file, not to be replaced
+    lookalike = write_docs(tmp / "lookalike", {"train_00000.npy": "", "train_backup.npy": "mine", "meta.json": "{}"})
     listcfg = write_docs(tmp / "listcfg", {"tokenizer.json": (old / "tokenizer.json").read_bytes(),
                                            "tokenizer_config.json": "[1, 2]"})
     return {
@@ -526,6 +528,8 @@ def _bad_cases(tmp: Path) -> dict:
         "output is a file": (["--input", ok, "--out", tmp / "afile"], str(tmp / "afile"), None),
         "existing output without --overwrite": (["--input", ok, "--out", old], "--overwrite", old),
         "overwrite a foreign directory": (["--input", ok, "--out", foreign, "--overwrite"], "notes.md", foreign),
+        "overwrite a shard look-alike": (["--input", ok, "--out", lookalike, "--overwrite"], "train_backup.npy",
+                                         lookalike),
         "missing tokenizer": (["--input", ok, "--tokenizer", tmp / "nope", "--out", tmp / "o"],
                               str(tmp / "nope"), None),
         "not a tokenizer": (["--input", ok, "--tokenizer", tmp / "notatokenizer.json", "--out", tmp / "o"],
