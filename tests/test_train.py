@@ -141,6 +141,25 @@ def test_fsdp2_two_processes_match_one_process_with_twice_the_batch(tmp_path, st
         assert files == [".metadata", "__0_0.distcp", "__1_0.distcp", "checkpoint.json"], files
 
 
+@needs_torchrun
+@pytest.mark.slow
+def test_fsdp2_muon_matches_one_process(tmp_path, stdlib_data):
+    """Muon under FSDP2 trains like Muon in one process with the global batch: its matrices are
+    sharded DTensors there, which the Newton-Schulz batch of each shape stacks and indexes
+    (DTensor has no rule for unbind or _foreach_lerp: a step that used them failed only here)."""
+    over = {"training.optimizer": "muon", "training.max_steps": 8, "checkpoint.interval": 0}
+    (tmp_path / "one").mkdir(), (tmp_path / "two").mkdir()
+    r = run(["train.py", str(tiny_config(tmp_path / "one", stdlib_data, **over))])
+    assert r.returncode == 0, r.stderr[-3000:]
+    proc = torchrun(tiny_config(tmp_path / "two", stdlib_data, **{**over, "training.fsdp": True}))
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0 and "FSDP2 over 2 processes" in err, err[-3000:]
+    a, b = losses(tmp_path / "one" / "run"), losses(tmp_path / "two" / "run")
+    assert sorted(a) == sorted(b) == list(range(1, 9))
+    for step in a:  # fp32: only the order of the gradient sums differs
+        assert abs(a[step] - b[step]) <= 1e-5 * abs(a[step]), (step, a[step], b[step])
+
+
 def _worker_pid(torchrun_pid: int, rank: int) -> int:
     """The pid of a torchrun worker, found by the RANK in its environment."""
     for child in Path(f"/proc/{torchrun_pid}/task/{torchrun_pid}/children").read_text().split():
