@@ -54,6 +54,21 @@ def test_spmd_mesh_matches_one_device(tmp_path, stdlib_data, mesh, loss_chunk):
     assert r.returncode == 0 and "resumed from" in r.stderr, r.stderr[-3000:]
 
 
+def test_spmd_muon_matches_one_device(tmp_path, stdlib_data):
+    """Muon over an fsdp x tp mesh (its matrices sharded; the Newton-Schulz batch of each shape
+    stacks them) trains like Muon in train.py on one device."""
+    one, spmd = tmp_path / "one", tmp_path / "spmd"
+    one.mkdir(), spmd.mkdir()
+    over = {"training.optimizer": "muon", "training.max_steps": 8, "evaluation.interval": 0,
+            "checkpoint.interval": 0}
+    r = run(["train.py", str(tiny_config(one, stdlib_data, **over))])
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = run(["train_xla.py", str(tiny_config(spmd, stdlib_data, **over)), "xla.mode=spmd", "xla.mesh.data=1",
+             "xla.mesh.fsdp=2", "xla.mesh.tp=2"], env={**ENV, "CPU_NUM_DEVICES": "4"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    close(losses(spmd / "run"), losses(one / "run"), 1e-3, steps=list(range(1, 9)))
+
+
 def test_spmd_mesh_must_cover_the_devices(tmp_path, stdlib_data):
     r = run(["train_xla.py", str(tiny_config(tmp_path, stdlib_data)), "xla.mode=spmd", "xla.mesh.fsdp=3"],
             env={**ENV, "CPU_NUM_DEVICES": "4"})
