@@ -160,6 +160,45 @@ def test_fsdp2_muon_matches_one_process(tmp_path, stdlib_data):
         assert abs(a[step] - b[step]) <= 1e-5 * abs(a[step]), (step, a[step], b[step])
 
 
+def same_window_data(d: Path, seq_len: int) -> Path:
+    """A data directory (meta.json and one shard per split, as prepare_data.py lays them out)
+    whose every window of ``seq_len + 1`` tokens is the same: tokens with period ``seq_len``."""
+    import numpy as np
+    d.mkdir()
+    tokens = np.tile((np.arange(seq_len) * 37 + 5) % 512, 64).astype(np.uint16)
+    splits = {}
+    for split in ("train", "val"):
+        np.save(d / f"{split}_00000.npy", tokens)
+        splits[split] = {"tokens": len(tokens), "shards": [{"file": f"{split}_00000.npy", "tokens": len(tokens)}]}
+    (d / "meta.json").write_text(json.dumps({"vocab_size": 512, "dtype": "uint16", "splits": splits}))
+    return d
+
+
+@needs_torchrun
+def test_ddp_replicas_draw_their_own_dropout_masks(tmp_path):
+    """Every window of the data is the same, so each replica of a 2-process DDP run computes what
+    one process does, and the logged step-1 loss (the replicas' mean) is one process's loss unless
+    the replicas draw different dropout masks. They must (before, every rank seeded its generator
+    alike and drew rank 0's masks); without dropout the losses agree, which checks the data."""
+    data = same_window_data(tmp_path / "data", 32)
+    step1 = {}
+    for dropout in (0.0, 0.3):
+        over = {"model.dropout": dropout, "training.max_steps": 1, "evaluation.interval": 0,
+                "checkpoint.interval": 0}
+        one, two = tmp_path / f"one{dropout}", tmp_path / f"two{dropout}"
+        one.mkdir(), two.mkdir()
+        r = run(["train.py", str(tiny_config(one, data, **over)), "training.batch_size=2"])
+        assert r.returncode == 0, r.stderr[-3000:]
+        proc = torchrun(tiny_config(two, data, **over))
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0 and "2 replica(s)" in err, err[-3000:]
+        step1[dropout] = losses(one / "run")[1], losses(two / "run")[1]
+    a, b = step1[0.0]
+    assert abs(a - b) <= 1e-6 * a, step1
+    a, b = step1[0.3]
+    assert abs(a - b) > 1e-5 * a, step1  # the masks differ: here 5e-4
+
+
 def _worker_pid(torchrun_pid: int, rank: int) -> int:
     """The pid of a torchrun worker, found by the RANK in its environment."""
     for child in Path(f"/proc/{torchrun_pid}/task/{torchrun_pid}/children").read_text().split():

@@ -198,14 +198,10 @@ class Backend:
                            optim_state_dict={"state": target["optimizer"]["state"],
                                              "param_groups": param_groups})
 
-    def device_rng(self) -> dict:
-        """The device's own RNG state where the host RNGs (``checkpoint.rng_state``) do not cover
-        it, saved with them: none here (CUDA's is in ``rng_state``)."""
-        return {}
-
-    def seed_device_rng(self, seed: int, saved: dict | None = None) -> None:
-        """Seed the device's own RNG with ``seed``, or restore it from a checkpoint's ``saved``
-        RNG state when that holds ``device_rng``'s entry."""
+    def seed_rng(self, seed: int) -> None:
+        """Seed the generator the step's random draws (dropout) come from: torch's default
+        generators here (CPU, and CUDA/MPS through ``torch.manual_seed``). Host-side only."""
+        torch.manual_seed(seed)
 
     # -- reporting ---------------------------------------------------------------------------
     @property

@@ -743,8 +743,6 @@ def rng_to_json(state: dict) -> dict:
            "torch": state["torch"].tolist()}
     if "cuda" in state:
         out["cuda"] = [t.tolist() for t in state["cuda"]]
-    if "xla" in state:
-        out["xla"] = int(state["xla"])
     return out
 
 
@@ -756,8 +754,6 @@ def rng_from_json(state: dict) -> dict:
                "torch": torch.tensor(state["torch"], dtype=torch.uint8)}
         if "cuda" in state:
             out["cuda"] = [torch.tensor(t, dtype=torch.uint8) for t in state["cuda"]]
-        if "xla" in state:
-            out["xla"] = int(state["xla"])
     except (KeyError, TypeError, ValueError, IndexError, OverflowError) as e:
         raise CheckpointError(f"malformed RNG state in {MARKER} ({first_line(e)})") from None
     return out

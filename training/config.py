@@ -72,7 +72,8 @@ class TrainingConfig:
     precision: Literal["bf16", "fp32"] = _help(
         "bf16 autocast (fp32 master weights), or fp32; bf16 falls back to fp32 with a warning where "
         "unsupported", default="bf16")
-    seed: int = _help("seed for initialisation, data order and dropout", default=1337)
+    seed: int = _help("seed for initialisation, data order and dropout (drawn per step and replica)",
+                      default=1337)
     compile: bool = _help("torch.compile each block (train.py on CUDA): one graph every layer reuses", default=False)
     device: str = _help("train.py: auto (cuda, then mps, then cpu), cuda, cuda:N, mps or cpu",
                         default="auto")

@@ -92,6 +92,15 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def step_seed(seed: int, replica: int, step: int) -> int:
+    """The seed of the random draws (dropout) of optimiser step ``step`` (0-based) on data-parallel
+    replica ``replica``: numpy's ``SeedSequence`` of the three, 63 bits. Replicas draw different
+    masks, and a step draws the same ones whether the run was resumed before it or not (nothing
+    about the generator needs to be in a checkpoint)."""
+    ss = np.random.SeedSequence(seed % 2**64, spawn_key=(replica, step))
+    return int(ss.generate_state(1, np.uint64)[0] >> np.uint64(1))
+
+
 def check_resume_compatible(cfg: Config, ckpt: dict, path: Path) -> None:
     """The architecture of a checkpoint must match the config's (anything else may change)."""
     try:
@@ -144,7 +153,6 @@ class Trainer:
 
         # -- the model and the resume point ------------------------------------------------------
         seed_everything(t_cfg.seed)
-        backend.seed_device_rng(t_cfg.seed)
         model = NashMHC(cfg.model)  # same seed on every process: identical initial weights
         self.state = RunState()
         self.checkpointer = Checkpointer(self.run_dir, cfg.checkpoint.keep, backend, self.log_line,
@@ -230,7 +238,6 @@ class Trainer:
         """RNG, step, tokens, data position and counters from a checkpoint (the tensors are in)."""
         state = self.state
         set_rng_state(ckpt["rng"])
-        self.backend.seed_device_rng(self.cfg.training.seed, ckpt["rng"])
         state.step, state.tokens_seen = int(ckpt["step"]), int(ckpt["tokens_seen"])
         state.epoch, state.offset = int(ckpt["data"]["epoch"]), int(ckpt["data"]["offset"])
         state.nonfinite_total = int(ckpt.get("nonfinite", {}).get("total", 0))
@@ -260,6 +267,7 @@ class Trainer:
         t_cfg, backend, optimizer = self.cfg.training, self.backend, self.optimizer
         accum = t_cfg.gradient_accumulation_steps
         set_lr(optimizer, lr / t_cfg.learning_rate)
+        backend.seed_rng(step_seed(t_cfg.seed, backend.rank, self.state.step))
         micro_losses = []
         for micro in range(accum):
             x, y = next(self.batches)
@@ -371,7 +379,7 @@ class Trainer:
             "step": state.step,
             "tokens_seen": state.tokens_seen,
             "data": {"epoch": pos[0], "offset": pos[1], "fingerprint": data_fingerprint(self.meta)},
-            "rng": {**rng_state(), **self.backend.device_rng()},
+            "rng": rng_state(),
             "nonfinite": {"total": state.nonfinite_total},
             "config": self.cfg.to_dict(),
             "trainer": self.backend.name,

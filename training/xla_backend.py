@@ -611,12 +611,10 @@ class XLABackend(Backend):
         mode = f"spmd mesh {tuple(self.mesh.mesh_shape)}" if self.spmd else "ddp"
         return f"{kind} ({self.n_devices} device(s), {mode})"
 
-    def device_rng(self) -> dict:
-        return {"xla": int(xm.get_rng_state(self.device))}
-
-    def seed_device_rng(self, seed: int, saved: dict | None = None) -> None:
-        # torch.manual_seed does not reach the XLA device's RNG (dropout draws from it)
-        xm.set_rng_state(int(saved["xla"]) if saved and "xla" in saved else seed, self.device)
+    def seed_rng(self, seed: int) -> None:
+        # the XLA device's own generator (torch.manual_seed does not reach it): a host-side value
+        # that the next graph takes as a parameter, as it does after every sync, so nothing recompiles
+        xm.set_rng_state(seed, self.device)
 
     def peak_flops(self) -> float | None:
         """Dense bf16 peak of one chip, from the device kind ("TPU v4", "TPU v5 lite", ...)."""
