@@ -539,3 +539,38 @@ def test_gpu_peaks_match_whole_words_of_the_device_name(name, peak):
     the SXM part; unknown GPUs have no peak (MFU is left out, logging.peak_flops sets it)."""
     from training.monitor import peak_flops_for
     assert peak_flops_for(name) == peak
+
+
+def test_one_ctrl_c_delivered_twice_is_one_stop_and_a_later_one_exits(monkeypatch):
+    """A terminal's Ctrl+C reaches a worker from its process group and again from the launcher
+    (torchrun passes SIGINT on, so does train_xla.py): that is one request to stop and save. A
+    SIGINT more than SAME_INTERRUPT_S later exits at once; a SIGTERM never does."""
+    import signal
+
+    from training import loop
+
+    exits = []
+    monkeypatch.setattr(loop.os, "_exit", exits.append)
+    now = [1000.0]
+    stop = loop.StopRequested(clock=lambda: now[0])
+    stop._handle(signal.SIGINT, None)
+    now[0] += 0.05
+    stop._handle(signal.SIGINT, None)
+    assert stop.requested and stop.signal_name == "SIGINT" and exits == []
+    now[0] += 5.0
+    stop._handle(signal.SIGTERM, None)
+    assert exits == []
+    stop._handle(signal.SIGINT, None)
+    assert exits == [130]
+
+
+def test_dropout_seeds_differ_by_replica_and_step_and_repeat():
+    """Each (seed, replica, step) gives its own seed, the same every time it is asked for, within
+    the range every generator takes (63 bits): DDP replicas draw different masks, and a resumed
+    step the masks it drew before."""
+    from training.loop import step_seed
+
+    seeds = {(s, r, k): step_seed(s, r, k) for s in (0, 7, -1, 2**63) for r in range(4) for k in range(50)}
+    assert len(set(seeds.values())) == len(seeds)
+    assert all(0 <= v < 2**63 for v in seeds.values())
+    assert all(step_seed(*key) == v for key, v in seeds.items())

@@ -35,12 +35,17 @@ from .optim import build_optimizer, lr_at, set_lr
 class StopRequested:
     """SIGTERM/SIGINT: stop at the next decision point (every step in one process, the next log
     step with several: all processes stop at the same step), save, exit 0. A second SIGINT exits
-    at once."""
+    at once, unless it comes within ``SAME_INTERRUPT_S`` of the first: one Ctrl+C reaches a worker
+    twice, from the terminal (its process group) and from the launcher that passes it on
+    (torchrun, train_xla.py's xmp.spawn), and must not count as two."""
 
-    def __init__(self):
+    SAME_INTERRUPT_S = 1.0
+
+    def __init__(self, clock=time.monotonic):
         self.requested = False
         self.signal_name = ""
         self._old = {}
+        self._clock, self._first_at = clock, 0.0
 
     def install(self) -> "StopRequested":
         if self._old:
@@ -53,10 +58,12 @@ class StopRequested:
         return self
 
     def _handle(self, signum, frame):
-        if self.requested and signum == signal.SIGINT:
-            info("second interrupt: exiting now without saving")
-            os._exit(130)
-        self.requested = True
+        if self.requested:
+            if signum == signal.SIGINT and self._clock() - self._first_at > self.SAME_INTERRUPT_S:
+                info("second interrupt: exiting now without saving")
+                os._exit(130)
+            return
+        self.requested, self._first_at = True, self._clock()
         self.signal_name = signal.Signals(signum).name
         info(f"{self.signal_name} received: stopping at the next decision step, saving a checkpoint, "
              "then exiting (Ctrl+C again to exit at once)")
