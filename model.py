@@ -960,7 +960,8 @@ class NashMHC(nn.Module):
         masks = attention_masks(cfg, Tp, idx.device)  # once for all the blocks
         h = self.drop(self.tok_emb(idx))
         if cfg.mhc_streams > 1:
-            h = h.unsqueeze(2).expand(B, Tp, cfg.mhc_streams, cfg.d_model).to(STREAM_DTYPES[cfg.stream_dtype]).contiguous()
+            h = h.unsqueeze(2).expand(B, Tp, cfg.mhc_streams, cfg.d_model)
+            h = h.to(STREAM_DTYPES[cfg.stream_dtype]).contiguous()
         checkpoint = cfg.activation_checkpointing and self.training and torch.is_grad_enabled()
         if self.blocks_fn is not None:
             h, stats = self.blocks_fn(self.blocks, h, cos, sin, masks, checkpoint)

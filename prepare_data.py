@@ -112,7 +112,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     src.add_argument("--exclude", action="append", default=[], metavar="PATTERN",
                      help="skip files and whole directories found in directories that match "
                           "(repeatable, same rule as --glob), e.g. --exclude site-packages")
-    src.add_argument("--text-column", default="text", metavar="COL", help="record field holding the text (default: text)")
+    src.add_argument("--text-column", default="text", metavar="COL",
+                     help="record field holding the text (default: text)")
     src.add_argument("--dataset", metavar="NAME",
                      help="a `datasets` dataset, streamed: a hub name, a local dataset directory, or a "
                           "directory written by Dataset.save_to_disk")

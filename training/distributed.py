@@ -11,9 +11,9 @@ which are the same steps everywhere). In a single process every method answers l
 
 Groups are made by the backends: ``TorchBackend`` after ``init_process_group`` (torchrun),
 ``XLABackend`` after ``init_gloo("xla://")`` (one rank per host in SPMD, one per chip in ddp
-mode), whose group also carries the launch checks (``all_gather_text``). Checkpoint I/O gets a group of its own (``new_gloo_group``):
-an asynchronous save runs DCP's collectives in a background thread, and two threads must never
-share a process group.
+mode), whose group also carries the launch checks (``all_gather_text``). Checkpoint I/O gets a
+group of its own (``new_gloo_group``): an asynchronous save runs DCP's collectives in a background
+thread, and two threads must never share a process group.
 """
 from __future__ import annotations
 

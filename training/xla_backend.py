@@ -57,10 +57,11 @@ class XLAAdamW(AdamW):
     one traced node per parameter instead of ~25 tensor ops, several of which (``lerp_``,
     ``addcmul_``, ``sqrt_``) torch_xla traces through PyTorch's Python decompositions. Tracing the
     update is host time on every step: 222 -> 8.6 ms for the demo model's 85 parameters on PJRT
-    CPU (``bench/xla.py optimizer configs/demo.yaml``). The op is torch.optim.AdamW's formula (``sqrt(v) / sqrt(1 - beta2^t)
-    + eps``, decoupled decay), skips the update and the state where ``found_inf`` is not 0, and takes
-    ``lr`` as device data, so a new learning rate is not a new graph. Parameters that are not fp32
-    (the op computes in the parameter's dtype), or a tensor ``lr``, take the tensor-op update."""
+    CPU (``bench/xla.py optimizer configs/demo.yaml``). The op is torch.optim.AdamW's formula
+    (``sqrt(v) / sqrt(1 - beta2^t) + eps``, decoupled decay), skips the update and the state where
+    ``found_inf`` is not 0, and takes ``lr`` as device data, so a new learning rate is not a new
+    graph. Parameters that are not fp32 (the op computes in the parameter's dtype), or a tensor
+    ``lr``, take the tensor-op update."""
 
     def _adamw_step(self, group, ps, found_inf) -> None:
         lr = group["lr"]
@@ -224,8 +225,9 @@ class ScanBlocks:
     against ``scan`` itself because a Block is not a carry-to-carry layer: it also takes the
     rotary tables and the attention masks, which travel as per-layer inputs that are not
     differentiated (in the carry they would be), and it returns detached stats, which are summed
-    in the carry (``scan``'s stacked outputs must be differentiable). The scanned function is cached per train/eval mode,
-    checkpointing, grad and autocast state, so ``scan``'s trace cache never mixes them.
+    in the carry (``scan``'s stacked outputs must be differentiable). The scanned function is
+    cached per train/eval mode, checkpointing, grad and autocast state, so ``scan``'s trace cache
+    never mixes them.
     """
 
     def __init__(self, n_stats: int):
@@ -255,7 +257,8 @@ class ScanBlocks:
         n = len(blocks)
         per_block = [dict(itertools.chain(b.named_parameters(), b.named_buffers())) for b in blocks]
         weights = {k: torch.stack([w[k] for w in per_block]) for k in per_block[0]}
-        xs = (weights, *(x.expand(n, *x.shape) for x in (cos, sin)), {k: m.expand(n, *m.shape) for k, m in masks.items()})
+        xs = (weights, *(x.expand(n, *x.shape) for x in (cos, sin)),
+              {k: m.expand(n, *m.shape) for k, m in masks.items()})
         carry = (h, h.new_zeros(self.n_stats, dtype=torch.float32)) if self.n_stats else h
         partition = _recompute_all_partition if checkpoint else default_partition
         carry, _ = scan(self._layer_fn(blocks[0], checkpoint), carry, xs, partition_fn=partition,
