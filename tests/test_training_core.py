@@ -574,3 +574,23 @@ def test_dropout_seeds_differ_by_replica_and_step_and_repeat():
     assert len(set(seeds.values())) == len(seeds)
     assert all(0 <= v < 2**63 for v in seeds.values())
     assert all(step_seed(*key) == v for key, v in seeds.items())
+
+
+def test_data_workers_leave_stop_signals_to_the_trainer(stdlib_data):
+    """A Ctrl+C or a process-group SIGTERM reaches the DataLoader workers too; they must live on
+    until the trainer has saved and closes them (one that died ended the run before the save)."""
+    import signal
+
+    stream = DataStream(TokenWindows(stdlib_data, "train", 32), batch_size=4, num_replicas=1, rank=0,
+                        seed=0, num_workers=1)
+    x0, _ = next(stream)
+    workers = stream._it._workers
+    for w in workers:
+        os.kill(w.pid, signal.SIGINT)
+        os.kill(w.pid, signal.SIGTERM)
+    for w in workers:
+        w.join(timeout=1.0)
+    assert all(w.is_alive() for w in workers)
+    for _ in range(10):
+        assert next(stream)[0].shape == x0.shape
+    stream.close()

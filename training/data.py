@@ -3,6 +3,7 @@ seeded per-epoch order that can resume at the exact sample on any number of repl
 from __future__ import annotations
 
 import json
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -117,6 +118,16 @@ class ResumableSampler(DistributedSampler):
         return max(0, (usable - self.start - self.rank + self.num_replicas - 1) // self.num_replicas)
 
 
+def ignore_stop_signals(worker_id: int) -> None:
+    """A DataLoader worker's ``worker_init_fn``: SIGINT and SIGTERM are the trainer's to handle.
+    A terminal's Ctrl+C, or a SIGTERM to the whole process group (a scheduler's preemption),
+    reaches the workers too; one that died of it would end the run with "DataLoader worker exited
+    unexpectedly" before the trainer saves. The trainer stops them itself (``DataStream.close``),
+    and a worker whose trainer is gone exits on its own (DataLoader's watchdog)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 class DataStream:
     """An endless iterator of ``(x, y)`` batches from a known (epoch, global offset) position.
 
@@ -136,7 +147,8 @@ class DataStream:
                               f"(training.batch_size {batch_size} x {num_replicas} replicas)")
         self.sampler = ResumableSampler(dataset, num_replicas, rank, seed, shuffle=shuffle)
         self.loader_kwargs = dict(batch_size=batch_size, num_workers=num_workers, drop_last=True,
-                                  pin_memory=pin_memory)
+                                  pin_memory=pin_memory,
+                                  worker_init_fn=ignore_stop_signals if num_workers > 0 else None)
         self.epoch, self.offset = 0, 0
         self._it, self._left = None, 0
 

@@ -344,7 +344,13 @@ class _DeviceBatches:
         return self
 
     def __next__(self):
-        return next(self._it)
+        try:
+            return next(self._it)
+        except StopIteration:
+            # ParallelLoader's thread ends the stream when it fails (it prints the exception and
+            # passes nothing on); the training stream never ends, so this is that failure
+            raise RuntimeError("the device loader's thread stopped: the data loading failed "
+                               "(its error is printed above)") from None
 
     def close(self) -> None:
         self._loader.close()
