@@ -58,3 +58,15 @@ def wait_for_step(run_dir: Path, proc, step: int, timeout=300):
             return
         time.sleep(0.05)
     raise TimeoutError(f"run did not reach step {step}")
+
+
+def run_patched(tmp_path: Path, patch: str, args, env=None):
+    """``python SCRIPT ARGS...`` (``args[0]``: train.py or train_xla.py) run after ``patch``, Python
+    source executed first in the same process: to make something happen at an exact point of a
+    run (a signal during the final save, at a given step) without depending on timing."""
+    script = tmp_path / "patched_run.py"
+    script.write_text(f"import runpy, sys\nsys.path.insert(0, {str(ROOT)!r})\n{patch}\n"
+                      f"sys.argv = {[str(a) for a in args]!r}\n"
+                      f"runpy.run_path({str(ROOT / args[0])!r}, run_name='__main__')\n")
+    return subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env or ENV, capture_output=True,
+                          text=True, timeout=600)

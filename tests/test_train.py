@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import ENV, ROOT, losses, metrics, run, tiny_config, wait_for_step
+from helpers import ENV, ROOT, losses, metrics, run, run_patched, tiny_config, wait_for_step
 from training.checkpoint import list_checkpoints
 from training.data import data_fingerprint
 
@@ -373,3 +373,26 @@ def test_resume_from_another_run_directory_takes_its_newest_checkpoint(tmp_path,
     assert [m["step"] for m in metrics(tmp_path / "b")] == [5, 6]
     r = run(["train.py", str(a), f"checkpoint.dir={tmp_path / 'c'}", f"checkpoint.resume={tmp_path}"])
     assert r.returncode == 2 and "no committed checkpoint in this run directory" in r.stderr
+
+
+SIGTERM_IN_FINAL_SAVE = """
+import os, signal
+from training.checkpoint import Checkpointer
+save = Checkpointer.save
+def save_with_a_signal(self, *args, **kw):
+    os.kill(os.getpid(), signal.SIGTERM)
+    return save(self, *args, **kw)
+Checkpointer.save = save_with_a_signal
+"""
+
+
+def test_a_signal_during_the_final_save_does_not_cut_it_short(tmp_path, stdlib_data):
+    """A SIGTERM that arrives while the last checkpoint is written (a scheduler repeating its
+    signal, a launcher passing on one the process already had) finds the stop handler still
+    there: the save completes and the run exits 0. Before, the default handlers were back by
+    then, and SIGTERM killed the process mid-save."""
+    cfg = tiny_config(tmp_path, stdlib_data, **{"training.max_steps": 3, "checkpoint.interval": 0,
+                                                "evaluation.interval": 0})
+    r = run_patched(tmp_path, SIGTERM_IN_FINAL_SAVE, ["train.py", cfg])
+    assert r.returncode == 0 and "SIGTERM received" in r.stderr, r.stderr[-3000:]
+    assert [p.name for p in (tmp_path / "run").glob("ckpt_*")] == ["ckpt_00000003.pt"]

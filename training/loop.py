@@ -399,8 +399,15 @@ class Trainer:
         """Train to ``max_steps`` (or a stop decision), save, and return the exit code."""
         if self.finished:
             return 0
-        cfg, t_cfg, backend, state = self.cfg, self.cfg.training, self.backend, self.state
         STOP.install()
+        try:
+            return self._finish(self._train_loop())
+        finally:
+            STOP.restore()  # after the last save: a signal repeated during it must not cut it short
+
+    def _train_loop(self) -> str:
+        """The steps, until ``max_steps`` or a stop decision; returns why it ended."""
+        cfg, t_cfg, backend, state = self.cfg, self.cfg.training, self.backend, self.state
         self.train_model.train()
         exit_reason = "done"
         try:
@@ -439,11 +446,10 @@ class Trainer:
             raise
         finally:
             backend.wait_host()  # the last log lines reach metrics.jsonl before it closes
-            STOP.restore()
             self.monitor.close()
             backend.close_batches(self.batches)  # stop prefetching and join the data workers
             self.stream.close()
-        return self._finish(exit_reason)
+        return exit_reason
 
     def _finish(self, exit_reason: str) -> int:
         state = self.state
