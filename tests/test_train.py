@@ -396,3 +396,18 @@ def test_a_signal_during_the_final_save_does_not_cut_it_short(tmp_path, stdlib_d
     r = run_patched(tmp_path, SIGTERM_IN_FINAL_SAVE, ["train.py", cfg])
     assert r.returncode == 0 and "SIGTERM received" in r.stderr, r.stderr[-3000:]
     assert [p.name for p in (tmp_path / "run").glob("ckpt_*")] == ["ckpt_00000003.pt"]
+
+
+def test_init_from_takes_the_weights_of_a_run_with_another_optimizer(tmp_path, stdlib_data):
+    """checkpoint.init_from loads weights only, so the optimizer of the run they come from does
+    not matter (fine-tuning with AdamW from a Muon run was refused as if resuming); resuming with
+    another optimizer still is refused."""
+    (tmp_path / "muon").mkdir(), (tmp_path / "adamw").mkdir()
+    over = {"training.max_steps": 2, "checkpoint.interval": 0, "evaluation.interval": 0}
+    r = run(["train.py", str(tiny_config(tmp_path / "muon", stdlib_data, **over)), "training.optimizer=muon"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    source = tmp_path / "muon" / "run"
+    r = run(["train.py", str(tiny_config(tmp_path / "adamw", stdlib_data, **over)), f"checkpoint.init_from={source}"])
+    assert r.returncode == 0 and f"initial weights from {source / 'ckpt_00000002.pt'}" in r.stderr, r.stderr[-3000:]
+    r = run(["train.py", str(tiny_config(tmp_path / "muon", stdlib_data, **over)), "training.max_steps=4"])
+    assert r.returncode == 2 and "training.optimizer 'muon' -> 'adamw'" in r.stderr, r.stderr[-3000:]

@@ -108,8 +108,10 @@ def step_seed(seed: int, replica: int, step: int) -> int:
     return int(ss.generate_state(1, np.uint64)[0] >> np.uint64(1))
 
 
-def check_resume_compatible(cfg: Config, ckpt: dict, path: Path) -> None:
-    """The architecture of a checkpoint must match the config's (anything else may change)."""
+def check_resume_compatible(cfg: Config, ckpt: dict, path: Path, optimizer: bool = True) -> None:
+    """The architecture of a checkpoint must match the config's (anything else may change); so
+    must the optimizer when its state is to be loaded (``optimizer``; ``init_from`` takes the
+    weights only)."""
     try:
         saved = config_from_dict(ckpt["config"]).model
     except (ConfigError, KeyError) as e:
@@ -121,6 +123,8 @@ def check_resume_compatible(cfg: Config, ckpt: dict, path: Path) -> None:
                                                            "model.loss_chunk"))]
         if structural:
             raise CheckpointError(f"{path}: model config differs from the checkpoint's ({'; '.join(structural)})")
+    if not optimizer:
+        return
     try:
         saved_opt = ckpt["config"]["training"]["optimizer"]
     except (KeyError, TypeError):
@@ -167,7 +171,7 @@ class Trainer:
         resumed = self.checkpointer.find(cfg.checkpoint.resume)
         if resumed is None and cfg.checkpoint.init_from:
             init_path, init = load_initial_weights(cfg.checkpoint.init_from, warn=self.log_line)
-            check_resume_compatible(cfg, init, init_path)
+            check_resume_compatible(cfg, init, init_path, optimizer=False)
             model.load_state_dict(init["model"])
             self.log_line(f"initial weights from {init_path}")
             del init
