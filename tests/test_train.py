@@ -411,3 +411,14 @@ def test_init_from_takes_the_weights_of_a_run_with_another_optimizer(tmp_path, s
     assert r.returncode == 0 and f"initial weights from {source / 'ckpt_00000002.pt'}" in r.stderr, r.stderr[-3000:]
     r = run(["train.py", str(tiny_config(tmp_path / "muon", stdlib_data, **over)), "training.max_steps=4"])
     assert r.returncode == 2 and "training.optimizer 'muon' -> 'adamw'" in r.stderr, r.stderr[-3000:]
+
+
+def test_a_checkpoint_dir_that_cannot_be_written_is_one_line(tmp_path, stdlib_data):
+    """One process too: a file in the way of checkpoint.dir is refused before training, in one
+    line naming the key (it was a traceback from the metrics log), and the file is left as it was."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("mine")
+    r = run(["train.py", str(tiny_config(tmp_path, stdlib_data)), f"checkpoint.dir={blocker / 'run'}"])
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert r.stderr.strip().splitlines()[-1].startswith(f"train.py: error: checkpoint.dir={blocker / 'run'}: cannot write")
+    assert blocker.read_text() == "mine"

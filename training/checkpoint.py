@@ -509,10 +509,10 @@ class Checkpointer:
     def _check_shared(self) -> None:
         """Refuse, on every process together, a ``checkpoint.dir`` that some process does not see
         as the master does (a local disk on each host instead of a shared filesystem or bucket):
-        its saves would be missing the other hosts' shards, and resume would differ per host."""
+        its saves would be missing the other hosts' shards, and resume would differ per host.
+        One process checks only that it can write there (before, a file or a read-only directory
+        in its way was a traceback from the first log line)."""
         host = self.backend.host
-        if host.size == 1:
-            return
         token = ""
         if self.backend.is_master:
             token = secrets.token_hex(8)
@@ -523,10 +523,15 @@ class Checkpointer:
                 atomic_write_json({"token": token}, self.run_dir / f".shared-probe-{token}")
             except OSError as e:  # said on every process: the others wait in the gather below
                 token = f"!{first_line(e)}"
-        token = host.all_gather_text(token)[0]  # after the master's write, on every process
+        if host.size > 1:
+            token = host.all_gather_text(token)[0]  # after the master's write, on every process
         if token.startswith("!"):
-            raise CheckpointError(f"checkpoint.dir={self.run_dir}: process 0 cannot write there: {token[1:]}")
+            who = "process 0 cannot" if host.size > 1 else "cannot"
+            raise CheckpointError(f"checkpoint.dir={self.run_dir}: {who} write there: {token[1:]}")
         probe = self.run_dir / f".shared-probe-{token}"
+        if host.size == 1:
+            probe.unlink(missing_ok=True)
+            return
         try:
             seen = json.loads(probe.read_text()).get("token") == token
         except (OSError, ValueError):
