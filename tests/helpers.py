@@ -60,13 +60,19 @@ def wait_for_step(run_dir: Path, proc, step: int, timeout=300):
     raise TimeoutError(f"run did not reach step {step}")
 
 
-def run_patched(tmp_path: Path, patch: str, args, env=None):
-    """``python SCRIPT ARGS...`` (``args[0]``: train.py or train_xla.py) run after ``patch``, Python
-    source executed first in the same process: to make something happen at an exact point of a
-    run (a signal during the final save, at a given step) without depending on timing."""
+def patched_script(tmp_path: Path, patch: str, args) -> Path:
+    """A script that runs ``python SCRIPT ARGS...`` (``args[0]``: train.py or train_xla.py) after
+    ``patch``, Python source executed first in the same process: to make something happen at an
+    exact point of a run (a signal during the final save, at a given step, a failure on one rank)
+    without depending on timing. Runs under torchrun too."""
     script = tmp_path / "patched_run.py"
     script.write_text(f"import runpy, sys\nsys.path.insert(0, {str(ROOT)!r})\n{patch}\n"
                       f"sys.argv = {[str(a) for a in args]!r}\n"
                       f"runpy.run_path({str(ROOT / args[0])!r}, run_name='__main__')\n")
-    return subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env or ENV, capture_output=True,
-                          text=True, timeout=600)
+    return script
+
+
+def run_patched(tmp_path: Path, patch: str, args, env=None):
+    """``patched_script`` run in a fresh interpreter."""
+    return subprocess.run([sys.executable, str(patched_script(tmp_path, patch, args))], cwd=ROOT,
+                          env=env or ENV, capture_output=True, text=True, timeout=600)

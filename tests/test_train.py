@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import ENV, ROOT, losses, metrics, run, run_patched, tiny_config, wait_for_step
+from helpers import ENV, ROOT, losses, metrics, patched_script, run, run_patched, tiny_config, wait_for_step
 from training.checkpoint import list_checkpoints
 from training.data import data_fingerprint
 
@@ -422,3 +422,36 @@ def test_a_checkpoint_dir_that_cannot_be_written_is_one_line(tmp_path, stdlib_da
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
     assert r.stderr.strip().splitlines()[-1].startswith(f"train.py: error: checkpoint.dir={blocker / 'run'}: cannot write")
     assert blocker.read_text() == "mine"
+
+
+RANK_1_CANNOT_READ = """
+import os
+from training import checkpoint, hf
+if os.environ.get("RANK") == "1":
+    def unreadable(path, warn=None):
+        raise checkpoint.CheckpointError(f"{path}: unreadable here")
+    checkpoint.peek_checkpoint = hf.load_training_checkpoint = unreadable
+"""
+
+
+@needs_torchrun
+@pytest.mark.parametrize("key", ["checkpoint.resume", "checkpoint.init_from"])
+def test_a_checkpoint_one_process_cannot_read_stops_every_process_in_one_line(tmp_path, stdlib_data, key):
+    """checkpoint.resume=PATH (or init_from) that loads on rank 0 but not on rank 1 (a host
+    without the file): both processes exit 2 with the reason in one line. Before, rank 1 raised
+    alone and rank 0 died in the next collective with a gloo traceback."""
+    source = tmp_path / "source"
+    source.mkdir()
+    r = run(["train.py", str(tiny_config(source, stdlib_data, **{"training.max_steps": 2}))])
+    assert r.returncode == 0, r.stderr[-3000:]
+    ckpt = source / "run" / "ckpt_00000002.pt"
+    cfg = tiny_config(tmp_path, stdlib_data, **{"training.max_steps": 4})
+    script = patched_script(tmp_path, RANK_1_CANNOT_READ,
+                            ["train.py", cfg, f"{key}={ckpt}", "training.batch_size=2"])
+    proc = subprocess.run([TORCHRUN, "--standalone", "--nproc_per_node=2", str(script)], cwd=ROOT,
+                          env=ENV, capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0
+    # each process says it (their lines may interleave on the shared pipe)
+    assert proc.stderr.count(f"train.py: error: {ckpt}: unreadable here") == 2, proc.stderr[-3000:]
+    assert f"{ckpt}: unreadable here (on another process)" in proc.stderr
+    assert "gloo" not in proc.stderr and "Connection closed" not in proc.stderr, proc.stderr[-3000:]

@@ -469,19 +469,14 @@ class Checkpointer:
         if self.backend.is_master:
             for p in clean_uncommitted(self.run_dir):
                 self.log(f"removed {p}: an unfinished save")
-        if resume == "none":
-            found = None
-        elif resume == "auto":
-            found = find_latest(self.run_dir, warn=self.log)
-        else:
-            path = Path(resume).expanduser()
-            if path.is_dir() and not is_dcp_dir(path):  # a run directory: its newest
-                found = find_latest(path, warn=self.log)
-                if found is None:
-                    raise CheckpointError(f"checkpoint.resume={resume}: no committed checkpoint in "
-                                          "this run directory, and not a checkpoint directory itself")
-            else:
-                found = path, peek_checkpoint(path)
+        error = None
+        try:
+            found = self._find(resume)
+        except CheckpointError as e:
+            found, error = None, e
+        failed = self.backend.host.first_error("" if error is None else str(error))
+        if failed:  # every process stops here, with the first failing process's reason
+            raise error or CheckpointError(f"{failed} (on another process)")
         start = found[1]["step"] if found else 0
         ahead = [p for s, p in list_checkpoints(self.run_dir) if s > start] if resume != "auto" else []
         # auto with committed checkpoints of which none loads: starting over would save new
@@ -505,6 +500,21 @@ class Checkpointer:
                 f"that checkpoint.resume={resume} would overwrite or mix with this run's: use another "
                 "checkpoint.dir, move them away, or resume: auto")
         return found
+
+    def _find(self, resume: str) -> tuple[Path, dict] | None:
+        """``find``'s lookup in this process: the checkpoint ``resume`` names, or None."""
+        if resume == "none":
+            return None
+        if resume == "auto":
+            return find_latest(self.run_dir, warn=self.log)
+        path = Path(resume).expanduser()
+        if path.is_dir() and not is_dcp_dir(path):  # a run directory: its newest
+            found = find_latest(path, warn=self.log)
+            if found is None:
+                raise CheckpointError(f"checkpoint.resume={resume}: no committed checkpoint in "
+                                      "this run directory, and not a checkpoint directory itself")
+            return found
+        return path, peek_checkpoint(path)
 
     def _check_shared(self) -> None:
         """Refuse, on every process together, a ``checkpoint.dir`` that some process does not see

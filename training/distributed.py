@@ -83,6 +83,14 @@ class HostGroup:
         dist.all_gather(everyone, mine, group=self.group)
         return [bytes(t.tolist()).rstrip(b"\0").decode(errors="replace") for t in everyone]
 
+    def first_error(self, error: str) -> str:
+        """The first non-empty ``error`` over the processes, in rank order ("" if none): for work
+        that may fail on some processes only (a checkpoint one host cannot read), so that every
+        process raises, instead of the others dying in the next collective. One all-gather."""
+        if self.group is None:
+            return error
+        return next((e for e in self.all_gather_text(error) if e), "")
+
     def barrier(self) -> None:
         if self.group is not None:
             dist.barrier(group=self.group)

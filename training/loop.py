@@ -170,8 +170,15 @@ class Trainer:
                                          async_save=cfg.checkpoint.async_)
         resumed = self.checkpointer.find(cfg.checkpoint.resume)
         if resumed is None and cfg.checkpoint.init_from:
-            init_path, init = load_initial_weights(cfg.checkpoint.init_from, warn=self.log_line)
-            check_resume_compatible(cfg, init, init_path, optimizer=False)
+            error = None
+            try:
+                init_path, init = load_initial_weights(cfg.checkpoint.init_from, warn=self.log_line)
+                check_resume_compatible(cfg, init, init_path, optimizer=False)
+            except (CheckpointError, ConfigError) as e:
+                error = e
+            failed = backend.host.first_error("" if error is None else str(error))
+            if failed:  # every process stops, with the first failing process's reason
+                raise error or CheckpointError(f"{failed} (on another process)")
             model.load_state_dict(init["model"])
             self.log_line(f"initial weights from {init_path}")
             del init
