@@ -16,6 +16,8 @@ import multiprocessing
 import os
 import signal
 import sys
+import traceback
+from concurrent.futures.process import BrokenProcessPool
 
 from training.loop import STOP, main, train
 
@@ -45,12 +47,23 @@ def _worker(index: int, cfg) -> None:
     from training.checkpoint import CheckpointError
     from training.xla_backend import XLABackend
 
+    spawned = cfg.xla.mode != "spmd"
     backend = None
     try:
         backend = XLABackend(cfg)
         code = train(cfg, backend)
     except (ConfigError, CheckpointError, ValueError) as e:
-        raise TrainingExit(2, str(e)) from None
+        if not spawned:
+            raise TrainingExit(2, str(e)) from None
+        # said now: the launcher learns of a worker's end only after every worker has ended, and
+        # the others may be waiting for this one in a collective
+        print(f"train_xla.py: error: {f'[process {index}] ' if index else ''}{e}", file=sys.stderr, flush=True)
+        raise TrainingExit(2) from None
+    except BaseException:
+        if spawned:
+            traceback.print_exc()
+            sys.stderr.flush()
+        raise
     finally:
         if backend is not None:
             backend.shutdown()  # the gloo group of a multi-process run, as train.py does
@@ -58,9 +71,13 @@ def _worker(index: int, cfg) -> None:
         raise TrainingExit(code)
 
 
+_FORWARDED: set[int] = set()  # the signals the launcher passed on
+
+
 def _forward_signals_to_workers() -> None:
     """The launcher passes SIGTERM/SIGINT on to the worker processes, which stop and save."""
     def forward(signum, frame):
+        _FORWARDED.add(signum)
         for child in multiprocessing.active_children():
             try:
                 os.kill(child.pid, signum)
@@ -77,12 +94,24 @@ def run(cfg) -> int:
             _worker(0, cfg)
         else:
             import torch_xla.distributed.xla_multiprocessing as xmp
-            _forward_signals_to_workers()
+            if cfg.xla.nprocs != 1:  # 1: the worker is this process, with the stop handlers of its own
+                _forward_signals_to_workers()
             xmp.spawn(_worker, args=(cfg,), nprocs=cfg.xla.nprocs)
     except TrainingExit as e:
         if e.message:
             print(f"train_xla.py: error: {e.message}", file=sys.stderr)
         return e.code
+    except BrokenProcessPool:
+        print("train_xla.py: error: a worker process ended without finishing "
+              + ("(a second Ctrl+C: no checkpoint saved)" if signal.SIGINT in _FORWARDED
+                 else "(killed, or crashed: see above)"), file=sys.stderr)
+        return 130 if signal.SIGINT in _FORWARDED else 1
+    except Exception as e:
+        if cfg.xla.mode == "spmd":
+            raise
+        print(f"train_xla.py: error: a worker process failed ({type(e).__name__}; its traceback is above)",
+              file=sys.stderr)
+        return 1
     return 0
 
 

@@ -213,3 +213,24 @@ def test_one_process_stops_at_the_step_after_a_signal(tmp_path, stdlib_data, arg
     r = run_patched(tmp_path, SIGTERM_DURING_STEP_3, [args[0], cfg, *args[1:]])
     assert r.returncode == 0 and "stopped at step 3 after SIGTERM" in r.stderr, r.stderr[-3000:]
     assert [p.stem for p in (tmp_path / "run").glob("ckpt_*")] == ["ckpt_00000003"]  # a file or a DCP directory
+
+
+SIGTERM_DURING_SET_UP = """
+import os, signal
+from training import xla_backend
+init = xla_backend.XLABackend.__init__
+def init_with_a_signal(self, cfg):
+    os.kill(os.getpid(), signal.SIGTERM)
+    init(self, cfg)
+xla_backend.XLABackend.__init__ = init_with_a_signal
+"""
+
+
+def test_one_in_process_worker_keeps_the_default_signal_handlers_outside_the_loop(tmp_path, stdlib_data):
+    """xla.nprocs=1 runs the worker in the launcher's process, so there is nobody to pass a
+    signal on to: a SIGTERM during set-up ends the process as it ends train.py's (nothing to
+    save yet). The launcher's forwarding handler swallowed it, and the run trained on."""
+    cfg = tiny_config(tmp_path, stdlib_data, **{"training.max_steps": 3})
+    r = run_patched(tmp_path, SIGTERM_DURING_SET_UP, ["train_xla.py", cfg, "xla.nprocs=1"])
+    assert r.returncode == -signal.SIGTERM, r.stderr[-3000:]
+    assert not list((tmp_path / "run").glob("ckpt_*"))

@@ -288,7 +288,12 @@ class Trainer:
         backend.seed_rng(step_seed(t_cfg.seed, backend.rank, self.state.step))
         micro_losses = []
         for micro in range(accum):
-            x, y = next(self.batches)
+            try:
+                x, y = next(self.batches)
+            except StopIteration:
+                # the training stream never ends: its loader stopped because it failed (torch_xla's
+                # ParallelLoader prints the error in its thread and ends the stream)
+                raise RuntimeError("the data loader stopped: loading failed (the error is printed above)") from None
             with backend.no_sync(self.train_model, last_micro_step=micro == accum - 1):
                 with backend.autocast(self.amp_dtype):
                     out = self.train_model(x, y)

@@ -344,13 +344,7 @@ class _DeviceBatches:
         return self
 
     def __next__(self):
-        try:
-            return next(self._it)
-        except StopIteration:
-            # ParallelLoader's thread ends the stream when it fails (it prints the exception and
-            # passes nothing on); the training stream never ends, so this is that failure
-            raise RuntimeError("the device loader's thread stopped: the data loading failed "
-                               "(its error is printed above)") from None
+        return next(self._it)
 
     def close(self) -> None:
         self._loader.close()
