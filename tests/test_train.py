@@ -361,6 +361,10 @@ def test_resume_on_other_data_says_so(tmp_path, stdlib_data):
     assert r.returncode == 0, r.stderr[-2000:]
     assert (f"warning: {tmp_path / 'run' / 'ckpt_00000003.pt'} was saved while training on other data than "
             f"data.dir={other} holds now") in r.stderr
+    # the same data cut into windows of another length: the sample offset means other tokens too
+    assert "data.seq_len" not in r.stderr
+    r = run(["train.py", str(cfg), "training.max_steps=5", f"data.dir={other}", "data.seq_len=16"])
+    assert r.returncode == 0 and "warning: data.seq_len 32 -> 16: the data position" in r.stderr, r.stderr[-2000:]
 
 
 def test_resume_from_another_run_directory_takes_its_newest_checkpoint(tmp_path, stdlib_data):

@@ -266,6 +266,15 @@ class Trainer:
             self.log_line(f"warning: {path} was saved while training on other data than "
                           f"data.dir={self.cfg.data.dir} holds now (its meta.json differs): training "
                           f"goes on at epoch {state.epoch}, sample {state.offset} of this data's order")
+        try:
+            saved_len = int(ckpt["config"]["data"]["seq_len"])
+        except (KeyError, TypeError, ValueError):
+            saved_len = self.cfg.data.seq_len
+        if saved_len != self.cfg.data.seq_len:
+            self.log_line(f"warning: data.seq_len {saved_len} -> {self.cfg.data.seq_len}: the data position "
+                          f"counts windows of {saved_len} tokens, so training goes on at sample "
+                          f"{state.offset} of epoch {state.epoch} in the order of the new windows, "
+                          "not where the run stopped")
 
     def tokens_at(self, step: int) -> int:
         return self.start_tokens + (step - self.start_step) * self.tokens_per_step
