@@ -424,7 +424,8 @@ def test_a_checkpoint_dir_that_cannot_be_written_is_one_line(tmp_path, stdlib_da
     blocker.write_text("mine")
     r = run(["train.py", str(tiny_config(tmp_path, stdlib_data)), f"checkpoint.dir={blocker / 'run'}"])
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
-    assert r.stderr.strip().splitlines()[-1].startswith(f"train.py: error: checkpoint.dir={blocker / 'run'}: cannot write")
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"train.py: error: checkpoint.dir={blocker / 'run'}: cannot write"), last
     assert blocker.read_text() == "mine"
 
 
@@ -459,3 +460,26 @@ def test_a_checkpoint_one_process_cannot_read_stops_every_process_in_one_line(tm
     assert proc.stderr.count(f"train.py: error: {ckpt}: unreadable here") == 2, proc.stderr[-3000:]
     assert f"{ckpt}: unreadable here (on another process)" in proc.stderr
     assert "gloo" not in proc.stderr and "Connection closed" not in proc.stderr, proc.stderr[-3000:]
+
+
+UNLOADABLE_TENSORS = """
+from training.backend import TorchBackend
+def load_full_state(self, *args):
+    raise RuntimeError("storage bytes do not decode")
+TorchBackend.load_full_state = load_full_state
+"""
+
+
+def test_a_checkpoint_whose_tensors_do_not_load_is_one_line(tmp_path, stdlib_data):
+    """A checkpoint that passes the start-up checks but whose tensors fail to load (unreadable
+    shard contents, a state that does not fit) is refused in one line naming it: it was a
+    traceback from deep inside DCP or load_state_dict."""
+    cfg = tiny_config(tmp_path, stdlib_data, **{"training.max_steps": 2, "checkpoint.interval": 0,
+                                                "evaluation.interval": 0})
+    assert run(["train.py", str(cfg)]).returncode == 0
+    r = run_patched(tmp_path, UNLOADABLE_TENSORS, ["train.py", cfg, "training.max_steps=4"])
+    ckpt = tmp_path / "run" / "ckpt_00000002.pt"
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert r.stderr.strip().splitlines()[-1] == (
+        f"train.py: error: {ckpt}: cannot be loaded (RuntimeError: storage bytes do not decode); "
+        "set checkpoint.resume to an earlier checkpoint")

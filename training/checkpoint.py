@@ -560,13 +560,26 @@ class Checkpointer:
         """Load the tensors of a ``find`` result into the live (placed, sharded) model and
         optimiser. A DCP directory on a sharded backend: each process reads its own shards, for
         any mesh or world size (``backend.load_sharded_state``). Otherwise the whole state on the
-        CPU (a file, or a DCP directory consolidated) into ``backend.load_full_state``."""
-        if Path(path).is_dir() and self.sharded:
-            self.backend.load_sharded_state(model, optimizer, path,
-                                            peeked["optimizer"]["param_groups"], safe_reader(path))
-            return
-        full = peeked if "model" in peeked else load_checkpoint(path)
-        self.backend.load_full_state(model, optimizer, full["model"], full["optimizer"])
+        CPU (a file, or a DCP directory consolidated) into ``backend.load_full_state``.
+
+        A failure (shards that ``peek_checkpoint``'s size checks passed but do not read, a state
+        that does not fit) stops every process, in one line naming the checkpoint."""
+        error = None
+        try:
+            if Path(path).is_dir() and self.sharded:
+                self.backend.load_sharded_state(model, optimizer, path,
+                                                peeked["optimizer"]["param_groups"], safe_reader(path))
+            else:
+                full = peeked if "model" in peeked else load_checkpoint(path)
+                self.backend.load_full_state(model, optimizer, full["model"], full["optimizer"])
+        except CheckpointError as e:
+            error = e
+        except Exception as e:  # DCP's CheckpointException, a storage error, a mismatched state
+            error = CheckpointError(f"{path}: cannot be loaded ({type(e).__name__}: {first_line(e)}); "
+                                    "set checkpoint.resume to an earlier checkpoint")
+        failed = self.backend.host.first_error("" if error is None else str(error))
+        if failed:
+            raise error or CheckpointError(f"{failed} (on another process)")
 
     # -- save --------------------------------------------------------------------------------
     def save(self, meta: dict, model, optimizer, reason: str, wait: bool = False) -> Path:
