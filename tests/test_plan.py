@@ -119,6 +119,33 @@ def test_sharded_state_is_divided_and_activations_are_not():
     assert (trace.gathered @ trace.scales(many)[1]).max() > 0
 
 
+def test_train_py_fsdp_divides_weights_gradients_and_state_over_the_processes():
+    """train.py with training.fsdp under torchrun: FSDP2 splits every parameter on dim 0 over the
+    processes, and its gradient and optimizer state with it, so those parts per GPU are the
+    whole model's divided by the process count; activations are per GPU already. The plan
+    counted them whole, as under DDP, and refused runs that fit."""
+    cfg = small_config(dict(DEMO, n_layers=2), batch=2, seq=64, fsdp=True)
+    device = P.device_for("h100", "torch")
+    ddp = P.layout_for(dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, fsdp=False)),
+                       "torch", 4)
+    fsdp = P.layout_for(cfg, "torch", 4)
+    assert (ddp.mode, fsdp.mode, fsdp.replicas) == ("ddp", "fsdp2", 4)
+    assert "FSDP2 over 4 process(es)" in fsdp.describe()
+    assert P.layout_for(cfg, "torch", 1).mode == "ddp"  # one process: train.py does not shard
+    trace = P.trace_step(cfg, ddp, device)
+    whole, split = P.peak_of(trace, ddp), P.peak_of(trace, fsdp)
+    with torch.device("meta"):
+        model = NashMHC(cfg.model)
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    buffers = sum(b.numel() * 4 for b in model.buffers())
+    assert whole.parts["weights (fp32)"] == weights + buffers
+    assert split.parts["weights (fp32)"] == pytest.approx(weights / 4 + buffers)
+    steps = 4 * len(list(model.parameters()))  # the 0-dim step counters: not sharded
+    assert split.parts["optimizer state"] == pytest.approx((whole.parts["optimizer state"] - steps) / 4 + steps)
+    for part in ("saved activations", "input batches"):
+        assert whole.parts[part] == split.parts[part], part
+
+
 def test_scan_layers_adds_the_stacked_block_weights_and_their_gradient():
     """xla.scan_layers stacks the blocks' weights into [n_layers, ...] tensors for the loop, and
     its backward makes their stacked gradient: the training peak grows by one to two stacked

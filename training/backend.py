@@ -324,7 +324,7 @@ class TorchBackend(Backend):
     def autocast_dtype(self, precision: str) -> torch.dtype | None:
         if precision != "bf16":
             return None
-        if self.device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        if self.device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
             warnings.warn(f"{torch.cuda.get_device_name(self.device)} does not support bf16: training "
                           "in fp32 (set training.precision=fp32 to silence this)")
             return None
@@ -337,16 +337,28 @@ class TorchBackend(Backend):
                           "and many times slower than fp32; set training.precision=fp32")
         return torch.bfloat16
 
+    def autocast(self, dtype: torch.dtype | None):
+        if dtype is None:
+            return contextlib.nullcontext()
+        # Under FSDP2, autocast's cache of bf16 weight casts would keep every block's gathered
+        # weights, cast, until the forward ends (FSDP2 frees its own copy after each block): a
+        # bf16 copy of the whole model per GPU. Without the cache a weight is cast where it is used.
+        return torch.autocast(device_type=self.device.type, dtype=dtype, cache_enabled=not self.fsdp)
+
     def prepare_model(self, model: nn.Module, cfg) -> nn.Module:
         model = model.to(self.device)
         if self.fsdp:
             # FSDP2: one all-gather/reduce-scatter unit per block; the root holds the embedding,
             # the (tied) LM head, the final norm and the stream collapse. Same seed everywhere:
             # each rank keeps its shard of the identical initial weights.
+            # The mesh is this backend's device and processes: fully_shard's default takes the
+            # machine's accelerator, which would move a training.device=cpu model to the GPU.
+            from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
+            mesh = init_device_mesh(self.device.type, (self.world_size,))
             for block in model.blocks:
-                fully_shard(block)
-            fully_shard(model)
+                fully_shard(block, mesh=mesh)
+            fully_shard(model, mesh=mesh)
         if cfg.training.compile:
             if self.device.type == "cuda":
                 compile_blocks(model)
@@ -355,7 +367,8 @@ class TorchBackend(Backend):
         if self.distributed and not self.fsdp:
             from torch.nn.parallel import DistributedDataParallel as DDP
             ids = [self.device.index] if self.device.type == "cuda" else None
-            model = DDP(model, device_ids=ids)
+            # the gradients are views into DDP's buckets: without it, the buckets are a second copy
+            model = DDP(model, device_ids=ids, gradient_as_bucket_view=True)
         return model
 
     def adamw_factory(self):

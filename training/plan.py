@@ -170,10 +170,16 @@ def tpu_accelerator_type() -> Optional[str]:
 # ----------------------------------------------------------------------------------------------
 # How a config spreads over the chips.
 
+# The spec of what no layout shards (buffers, the optimizer's step counters): replicated under
+# SPMD like a ``None`` spec, and left whole by FSDP2, which shards every parameter.
+NEVER_SHARDED = ()
+
+
 @dataclass(frozen=True)
 class Layout:
     entry: str                 # "xla" (train_xla.py) or "torch" (train.py)
-    mode: str                  # "spmd" (one process, a mesh) or "ddp" (a replica per chip)
+    mode: str                  # "spmd" (one process, a mesh), "ddp" (a replica per chip) or
+                               # "fsdp2" (train.py's training.fsdp: every tensor sharded on dim 0)
     mesh: dict                 # {"data", "fsdp", "tp"}: all 1 outside SPMD
     chips: int
     replicas: int              # what Config.tokens_per_step/resolve_steps call replicas
@@ -181,9 +187,13 @@ class Layout:
     zero: bool                 # gradients and optimiser state sharded over data x fsdp too
 
     def param_factor(self, spec) -> int:
+        if self.mode == "fsdp2":  # fully_shard splits every parameter's dim 0 over the processes
+            return 1 if spec == NEVER_SHARDED else self.chips
         return shard_factor(spec, self.mesh)
 
     def state_factor(self, spec) -> int:
+        if self.mode == "fsdp2":  # gradients and optimizer state follow their parameter's shard
+            return 1 if spec == NEVER_SHARDED else self.chips
         return shard_factor(state_partition_spec(spec, self.zero), self.mesh)
 
     def describe(self) -> str:
@@ -191,6 +201,8 @@ class Layout:
             m = self.mesh
             return (f"train_xla.py, SPMD mesh data {m['data']} x fsdp {m['fsdp']} x tp {m['tp']} = "
                     f"{self.chips} chips")
+        if self.mode == "fsdp2":
+            return f"train.py, FSDP2 over {self.chips} process(es), one per chip"
         prog = "train_xla.py (ddp)" if self.entry == "xla" else "train.py"
         return f"{prog}, {self.chips} replica(s), one per chip"
 
@@ -218,6 +230,9 @@ def layout_for(cfg: Config, entry: str, world_size: Optional[int], device_kind: 
             world_size = cfg.xla.nprocs or (accel and tpu_chips(accel)) or 1
         else:
             world_size = int(os.environ.get("WORLD_SIZE", 1))
+    if entry == "torch" and t.fsdp and world_size > 1:  # with one process train.py does not shard
+        return Layout(entry, "fsdp2", {"data": 1, "fsdp": world_size, "tp": 1}, world_size, world_size,
+                      t.batch_size, zero=True)
     return Layout(entry, "ddp", {"data": world_size, "fsdp": 1, "tp": 1}, world_size, world_size,
                   t.batch_size, zero=False)
 
@@ -613,11 +628,11 @@ def _trace(cfg: Config, layout: Layout, device: Device, micro_batch: Optional[in
         for p in model.parameters():
             count(p, WEIGHTS, specs[id(p)], p)
         for buf in model.buffers():
-            count(buf, WEIGHTS, None, buf)
+            count(buf, WEIGHTS, NEVER_SHARDED, buf)
         for p, state in optimizer.state.items():
             for v in state.values():
                 if torch.is_tensor(v):  # sharded like the parameter when shaped like it (XLABackend)
-                    count(v, OPT, specs.get(id(p)) if v.shape == p.shape else None, p)
+                    count(v, OPT, specs.get(id(p)) if v.shape == p.shape else NEVER_SHARDED, p)
         waiting = [torch.zeros(b, T, dtype=torch.long)
                    for _ in range(2 * XLA_DEVICE_PREFETCH if layout.entry == "xla" else 0)]
         for t in waiting + [x, y]:  # the batch in use, and those prefetched to the device
@@ -742,7 +757,7 @@ PARTS = (  # report lines: (label, kinds)
     ("saved activations", (ACT,)),
     ("backward temporaries, recompute", (TEMP,)),
     ("optimizer temporaries", (OPT_TEMP,)),
-    ("all-gathered weights (SPMD)", ("gather",)),
+    ("all-gathered weights", ("gather",)),
     ("input batches", (INPUTS,)),
 )
 
@@ -943,7 +958,7 @@ def format_plan(plan: Plan, mfu: float, usd_per_chip_hour: Optional[float], conf
         settings.append(f"stream_dtype {m.stream_dtype}")
     if layout.entry == "xla" and cfg.xla.scan_layers:
         settings.append("scan_layers on")
-    if layout.zero:
+    if layout.zero and layout.mode == "spmd":
         settings.append("gradients and optimizer state over data x fsdp")
     lines = [f"plan for {config_path} on {device.kind} ({device.memory / GiB:.1f} GiB per chip"
              + (f", bf16 peak {device.peak_flops / 1e12:.0f} TFLOP/s)" if device.peak_flops else ")"),
