@@ -48,6 +48,9 @@ RECORD_KINDS = {".jsonl": "json", ".json": "json", ".ndjson": "json", ".parquet"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 BATCH_BYTES = 1 << 20  # text per encode_batch call: large enough to keep both cores busy
 BATCH_DOCS = 4096
+# A document longer than this (characters) is encoded in pieces of about this size, a few at a time:
+# whole, the tokenizer holds ~200 bytes per byte of text (an 11 MB file peaked at 2.5 GB)
+PIECE_CHARS = 1 << 20
 RECORD_BATCH = 1024  # records read at a time from json/parquet/datasets
 
 
@@ -292,7 +295,7 @@ class Corpus:
                     self._warn_once(f"skipping {path}: {self.skipped[str(path)]}")
                     continue
                 yield text, data
-            else:
+            elif path.stat().st_size > 0:  # an empty records file holds no documents (datasets refuses it)
                 yield from self._records(str(path), self._open_records(path, kind))
         if self.dataset is not None:
             yield from self._records(f"--dataset {self.dataset}", self._open_dataset())
@@ -519,9 +522,9 @@ class ShardWriter:
         self.documents = 0
         self.tokens = 0
 
-    def add(self, ids: list[int], documents: int) -> None:
+    def add(self, ids: list[int] | np.ndarray, documents: int) -> None:
         """Append token ids (already eos-terminated documents)."""
-        if not ids:
+        if len(ids) == 0:
             return
         arr = np.array(ids, dtype=self.dtype)  # raises if an id does not fit the dtype
         self.pending.append(arr)
@@ -621,12 +624,43 @@ def _batches(docs: Iterator[tuple[str, bytes]]) -> Iterator[tuple[list[str], lis
         yield texts, datas
 
 
+def text_pieces(text: str, size: int | None = None) -> Iterator[str]:
+    """``text`` in pieces of about ``size`` characters, each cut right after a newline with a
+    non-blank character on both sides (no such newline past ``size``: the rest stays whole).
+
+    A byte-level pre-tokenizer (GPT-2's pattern) makes such a newline a pre-token of its own,
+    bounded on both sides, so the pieces' tokens, one after the other, are the whole text's:
+    pieces change memory, not tokens. ``pieces_are_exact`` says which tokenizers that holds for."""
+    size = size or PIECE_CHARS
+    start, n = 0, len(text)
+    while n - start > size:
+        cut = text.find("\n", start + size)
+        while cut != -1 and cut + 1 < n and (text[cut - 1].isspace() or text[cut + 1].isspace()):
+            cut = text.find("\n", cut + 1)
+        if cut == -1 or cut + 1 >= n:
+            break
+        yield text[start:cut + 1]
+        start = cut + 1
+    yield text[start:]
+
+
+def pieces_are_exact(tokenizer) -> bool:
+    """Whether ``text_pieces`` leaves this tokenizer's tokens as they are: no normaliser and a
+    ByteLevel pre-tokenizer with its regex and without a prefix space (what this script trains).
+    Others (a Metaspace "▁" before each piece's first word, say) encode long documents whole."""
+    cfg = json.loads(tokenizer.to_str())
+    pre = cfg.get("pre_tokenizer") or {}
+    return (cfg.get("normalizer") is None and pre.get("type") == "ByteLevel"
+            and pre.get("use_regex", True) and not pre.get("add_prefix_space", False))
+
+
 def _sample(docs: Iterator[tuple[str, bytes]], limit: int, stats: dict) -> Iterator[str]:
-    """The first documents, up to `limit` bytes (the last one may overshoot); counts them in stats."""
+    """The first documents, up to `limit` bytes (the last one may overshoot), long ones in pieces
+    (the trainer counts pre-tokens, which pieces keep); counts them in stats."""
     for text, data in docs:
         stats["sample_documents"] += 1
         stats["sample_bytes"] += len(data)
-        yield text
+        yield from text_pieces(text)
         if stats["sample_bytes"] >= limit:
             return
 
@@ -732,18 +766,37 @@ def encode_corpus(corpus: Corpus, spec: TokenizerSpec, dtype, folder: Path,
     total_tokens = 0
     stop = False
 
-    def encode(texts):
-        return encoder.encode_batch_fast(texts, add_special_tokens=False)
+    exact = pieces_are_exact(encoder)
+    at_once = max(1, min(8, os.cpu_count() or 1))  # pieces encoded together: one per core
 
-    def consume(datas, encodings):
+    def encode(texts):
+        """Each text's ids: a list, or for a long text encoded in pieces an array."""
+        long = {i for i, t in enumerate(texts) if len(t) > PIECE_CHARS} if exact else set()
+        short = [t for i, t in enumerate(texts) if i not in long]
+        encoded = iter(encoder.encode_batch_fast(short, add_special_tokens=False))
+        out = []
+        for i, text in enumerate(texts):
+            if i not in long:
+                out.append(next(encoded).ids)
+                continue
+            parts, pieces = [], text_pieces(text)
+            while batch := [piece for _, piece in zip(range(at_once), pieces)]:
+                parts += [np.array(e.ids, dtype=np.uint32)
+                          for e in encoder.encode_batch_fast(batch, add_special_tokens=False)]
+            out.append(np.concatenate(parts))
+        return out
+
+    def consume(datas, encoded):
         nonlocal total_tokens, stop
-        flat = {"train": [], "val": []}
+        flat = {"train": [], "val": []}  # runs of ids: lists, and the arrays of long documents
         ndocs = {"train": 0, "val": 0}
         done = 0
-        for data, enc in zip(datas, encodings):
+        for data, ids in zip(datas, encoded):
             done += 1
-            ids = enc.ids
-            ids.append(eos)
+            if isinstance(ids, np.ndarray):
+                ids = np.append(ids, np.uint32(eos))
+            else:
+                ids.append(eos)
             total_tokens += len(ids)
             key = split_key(hasher, data)
             split = "val" if key < args.val_fraction else "train"
@@ -753,13 +806,18 @@ def encode_corpus(corpus: Corpus, spec: TokenizerSpec, dtype, folder: Path,
                 reserve[split] = (key, ids)
                 ids = held[1] if held is not None else None
             if ids is not None:
-                flat[split].extend(ids)
+                runs = flat[split]
+                if isinstance(ids, list) and runs and isinstance(runs[-1], list):
+                    runs[-1].extend(ids)
+                else:
+                    runs.append(ids if isinstance(ids, np.ndarray) else list(ids))
                 ndocs[split] += 1
             if args.max_tokens is not None and total_tokens >= args.max_tokens:
                 stop = True
                 break
-        for split in flat:
-            writers[split].add(flat[split], ndocs[split])
+        for split, runs in flat.items():
+            for k, run in enumerate(runs):
+                writers[split].add(run, ndocs[split] if k == 0 else 0)
         return done
 
     bar = tqdm(desc="encoding", unit="doc", disable=not interactive, dynamic_ncols=True)
