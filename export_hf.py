@@ -28,8 +28,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import secrets
 import shutil
+import signal
 import sys
 from pathlib import Path
 
@@ -37,7 +39,7 @@ import torch
 import yaml
 
 from model import NashMHC
-from prepare_data import DataError, TokenizerSpec, install
+from prepare_data import TOKENIZER_FILES, DataError, TokenizerSpec, install
 from training.checkpoint import FORMAT_VERSION, CheckpointError, atomic_torch_save
 from training.config import Config, ConfigError
 from training.hf import (from_llama_state_dict, llama_incompatibility, load_llama, load_training_checkpoint,
@@ -67,8 +69,16 @@ def say(msg: str) -> None:
 # Export
 
 
+# What an export writes: transformers' config, generation config and weights (one file or shards
+# and their index), the tokenizer files, and the remote code
+EXPORT_FILES = re.compile(r"config\.json|generation_config\.json|model(-\d{5}-of-\d{5})?\.safetensors|"
+                          r"model\.safetensors\.index\.json|"
+                          + "|".join(re.escape(name) for name in (*TOKENIZER_FILES, *REMOTE_CODE)))
+
+
 def check_out_dir(out: Path, overwrite: bool) -> None:
-    """Before any work: OUT_DIR is new or empty, or (with --overwrite) an earlier export."""
+    """Before any work: OUT_DIR is new or empty, or (with --overwrite) an earlier export: nothing
+    in it but what an export writes, so replacing it deletes no one else's files."""
     if out.exists() and not out.is_dir():
         raise ExportError(f"{out}: exists and is not a directory")
     if out.is_dir() and any(out.iterdir()):
@@ -76,6 +86,9 @@ def check_out_dir(out: Path, overwrite: bool) -> None:
             raise ExportError(f"{out}: directory is not empty; pass --overwrite to replace an earlier export")
         if not (out / "config.json").is_file():
             raise ExportError(f"{out}: holds no config.json, so it is not an earlier export; refusing to replace it")
+        for name in sorted(p.name for p in out.iterdir()):
+            if not EXPORT_FILES.fullmatch(name):
+                raise ExportError(f"{out}: holds {name!r}, which an export does not write; refusing to replace it")
 
 
 def tokenizer_spec(tok_dir: Path):
@@ -152,7 +165,8 @@ def build_hf_model(model, sd: dict, rows: int, spec):
 
 
 def export(args) -> str:
-    out = Path(args.out)
+    # the directory itself, not a link to it or ".": the export is renamed into its place
+    out = Path(os.path.realpath(Path(args.out).expanduser()))
     check_out_dir(out, args.overwrite)
     where, ckpt = load_training_checkpoint(args.checkpoint, warn=say)
     model = model_from_checkpoint(ckpt, where)
@@ -322,5 +336,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _terminate(signum, frame):
+    raise KeyboardInterrupt  # a scheduler's SIGTERM: remove the staging directory as for Ctrl+C
+
+
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, _terminate)
     sys.exit(main())

@@ -303,6 +303,19 @@ def test_refusals_are_one_line_and_touch_nothing(tmp_path, stdlib_data, capsys, 
     assert [p.name for p in out.iterdir()] == ["notes.txt"]
     assert export(good, tmp_path / "hf2") == 0 and export(good, tmp_path / "hf2") == 2
     assert export(good, tmp_path / "hf2", "--overwrite") == 0
+    # an export with a file of someone else's beside it (or any directory with a config.json):
+    # not replaced, nothing deleted
+    (tmp_path / "hf2" / "NOTES.md").write_text("mine")
+    capsys.readouterr()
+    assert export(good, tmp_path / "hf2", "--overwrite") == 2
+    assert "holds 'NOTES.md', which an export does not write" in one_error_line(capsys.readouterr().err)
+    assert (tmp_path / "hf2" / "NOTES.md").read_text() == "mine"
+    (tmp_path / "hf2" / "NOTES.md").unlink()
+    # OUT_DIR a link to an earlier export: the export replaces the directory it points to
+    (tmp_path / "link").symlink_to(tmp_path / "hf2")
+    assert export(good, tmp_path / "link", "--overwrite") == 0
+    assert (tmp_path / "link").is_symlink() and (tmp_path / "hf2" / "config.json").is_file()
+    assert not list(tmp_path.glob(".link*")) and not list(tmp_path.glob(".hf2*"))
 
 
 def test_pickled_code_is_refused_from_the_command_line(tmp_path):
