@@ -17,19 +17,39 @@ import torch
 
 from model import NashMHC
 from training.checkpoint import CheckpointError, first_line, resolve_checkpoint
-from training.config import ConfigError, config_from_dict
+from training.config import ConfigError
+from training.data import data_fingerprint
+from training.hf import model_from_checkpoint
+
+EOS_TOKEN = "<|endoftext|>"  # prepare_data.py's document separator: where an empty prompt starts
 
 
 def load_model(path: Path, device: str) -> tuple[NashMHC, dict]:
+    """The model of a checkpoint (weights that do not fit its config: a one-line CheckpointError),
+    and the checkpoint's other entries."""
     path, ckpt = resolve_checkpoint(path, warn=lambda m: print(m, file=sys.stderr),
                                     with_optimizer=False)
-    cfg = config_from_dict(ckpt["config"])
-    model = NashMHC(cfg.model)
-    model.load_state_dict(ckpt["model"])
+    model = model_from_checkpoint(ckpt, path)
     model.to(device).eval()
     print(f"loaded {path} (step {ckpt['step']}, {model.num_params() / 1e6:.2f}M parameters, "
           f"trained by {ckpt.get('trainer', '?')})", file=sys.stderr)
-    return model, ckpt["config"]
+    del ckpt["model"]
+    return model, ckpt
+
+
+def check_data_dir(ckpt: dict, data_dir: Path) -> None:
+    """Warn when the data directory whose tokenizer is used has changed since the checkpoint was
+    saved (re-prepared, perhaps with another tokenizer): its meta.json no longer matches."""
+    import json
+    saved = (ckpt.get("data") or {}).get("fingerprint")
+    try:
+        now = data_fingerprint(json.loads((data_dir / "meta.json").read_text()))
+    except (OSError, ValueError):
+        return
+    if saved is not None and saved != now:
+        print(f"warning: {data_dir} has changed since this checkpoint was saved (its meta.json "
+              "differs): its tokenizer may not be the one the model was trained with "
+              "(pass --tokenizer)", file=sys.stderr)
 
 
 def main(argv=None) -> int:
@@ -62,9 +82,21 @@ def main(argv=None) -> int:
     if device.type not in ("cpu", "cuda", "mps"):
         ap.error(f"--device {args.device}: expected cpu, cuda, cuda:N or mps")
     try:
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError:  # bytes from the command line that are not UTF-8
+        ap.error("--prompt: not valid UTF-8 text")
+    try:
         from tokenizers import Tokenizer
-        model, cfg = load_model(args.checkpoint, args.device)
-        tok_path = args.tokenizer or Path(cfg["data"]["dir"]).expanduser()
+        model, ckpt = load_model(args.checkpoint, args.device)
+        try:
+            data_dir = Path(ckpt["config"]["data"]["dir"]).expanduser()
+        except (KeyError, TypeError):
+            data_dir = None
+        if args.tokenizer is None and data_dir is None:
+            raise FileNotFoundError("the checkpoint records no data.dir: pass --tokenizer")
+        tok_path = args.tokenizer or data_dir
+        if args.tokenizer is None:
+            check_data_dir(ckpt, data_dir)
         if tok_path.is_dir():
             tok_path = tok_path / "tokenizer.json"
         if not tok_path.is_file():
@@ -73,11 +105,15 @@ def main(argv=None) -> int:
             tok = Tokenizer.from_file(str(tok_path))
         except Exception as e:  # the Rust parser's error, or not UTF-8
             raise FileNotFoundError(f"{tok_path}: not a tokenizers JSON file ({first_line(e)})") from None
+        if tok.get_vocab_size() > model.config.vocab_size:
+            raise FileNotFoundError(f"{tok_path}: {tok.get_vocab_size()} token ids, but the model has "
+                                    f"{model.config.vocab_size} rows: not the tokenizer it was trained "
+                                    "with (pass --tokenizer)")
     except (CheckpointError, ConfigError, FileNotFoundError) as e:
         print(f"sample.py: error: {e}", file=sys.stderr)
         return 2
     torch.manual_seed(args.seed)
-    ids = tok.encode(args.prompt).ids or [0]
+    ids = tok.encode(args.prompt).ids or [tok.token_to_id(EOS_TOKEN) or 0]
     idx = torch.tensor([ids] * args.num_samples, dtype=torch.long, device=args.device)
     out = model.generate(idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None)
     for i, row in enumerate(out.tolist()):

@@ -60,6 +60,24 @@ def test_trains_logs_and_checkpoints(tmp_path, stdlib_data):
     # --tokenizer takes a directory holding tokenizer.json (a data directory, an HF export)
     r = run(["sample.py", str(tmp_path / "run"), "--tokenizer", str(stdlib_data), "--max-new-tokens", "4"])
     assert r.returncode == 0 and r.stdout.count("----- sample") == 2, r.stderr[-2000:]
+    # one line, not a traceback: a prompt that is not UTF-8, a tokenizer with more ids than the
+    # model has rows, weights that do not fit the stored config
+    from tokenizers import Tokenizer
+    from training.checkpoint import atomic_torch_save
+    big = Tokenizer.from_file(str(stdlib_data / "tokenizer.json"))
+    big.add_tokens([f"<extra{i}>" for i in range(600)])
+    big.save(str(tmp_path / "big.json"))
+    odd = dict(ck, model={**ck["model"], "blocks.0.extra": torch.zeros(2)})
+    atomic_torch_save(odd, tmp_path / "odd.pt")
+    for args, said in ((["--prompt", "caf\udce9"], "--prompt: not valid UTF-8 text"),
+                       (["--tokenizer", str(tmp_path / "big.json")], "but the model has 512 rows"),
+                       ([], "weights and stored config disagree")):
+        r = run(["sample.py", str(tmp_path / ("odd.pt" if not args else "run")), *args])
+        assert r.returncode == 2 and "Traceback" not in r.stderr and said in r.stderr, (args, r.stderr[-2000:])
+    # the data directory re-prepared since the checkpoint (meta.json differs): said
+    atomic_torch_save(dict(ck, data={**ck["data"], "fingerprint": "0" * 64}), tmp_path / "moved.pt")
+    r = run(["sample.py", str(tmp_path / "moved.pt"), "--max-new-tokens", "2"])
+    assert r.returncode == 0 and "has changed since this checkpoint was saved" in r.stderr, r.stderr[-2000:]
 
 
 def test_exact_resume_after_sigterm(tmp_path, stdlib_data):
