@@ -18,7 +18,7 @@ import torch
 from model import NashMHC
 from training.checkpoint import CheckpointError, first_line, resolve_checkpoint
 from training.config import ConfigError
-from training.data import data_fingerprint
+from training.data import data_changed_since
 from training.hf import model_from_checkpoint
 
 EOS_TOKEN = "<|endoftext|>"  # prepare_data.py's document separator: where an empty prompt starts
@@ -35,21 +35,6 @@ def load_model(path: Path, device: str) -> tuple[NashMHC, dict]:
           f"trained by {ckpt.get('trainer', '?')})", file=sys.stderr)
     del ckpt["model"]
     return model, ckpt
-
-
-def check_data_dir(ckpt: dict, data_dir: Path) -> None:
-    """Warn when the data directory whose tokenizer is used has changed since the checkpoint was
-    saved (re-prepared, perhaps with another tokenizer): its meta.json no longer matches."""
-    import json
-    saved = (ckpt.get("data") or {}).get("fingerprint")
-    try:
-        now = data_fingerprint(json.loads((data_dir / "meta.json").read_text()))
-    except (OSError, ValueError):
-        return
-    if saved is not None and saved != now:
-        print(f"warning: {data_dir} has changed since this checkpoint was saved (its meta.json "
-              "differs): its tokenizer may not be the one the model was trained with "
-              "(pass --tokenizer)", file=sys.stderr)
 
 
 def main(argv=None) -> int:
@@ -95,8 +80,10 @@ def main(argv=None) -> int:
         if args.tokenizer is None and data_dir is None:
             raise FileNotFoundError("the checkpoint records no data.dir: pass --tokenizer")
         tok_path = args.tokenizer or data_dir
-        if args.tokenizer is None:
-            check_data_dir(ckpt, data_dir)
+        if args.tokenizer is None and data_changed_since(ckpt, data_dir):
+            print(f"warning: {data_dir} has changed since this checkpoint was saved (its meta.json "
+                  "differs): its tokenizer may not be the one the model was trained with "
+                  "(pass --tokenizer)", file=sys.stderr)
         if tok_path.is_dir():
             tok_path = tok_path / "tokenizer.json"
         if not tok_path.is_file():

@@ -316,6 +316,14 @@ def test_refusals_are_one_line_and_touch_nothing(tmp_path, stdlib_data, capsys, 
     assert export(good, tmp_path / "link", "--overwrite") == 0
     assert (tmp_path / "link").is_symlink() and (tmp_path / "hf2" / "config.json").is_file()
     assert not list(tmp_path.glob(".link*")) and not list(tmp_path.glob(".hf2*"))
+    # the data directory re-prepared since the checkpoint (its meta.json differs): said, since its
+    # tokenizer goes into the export
+    ckpt = load_checkpoint(good)
+    ckpt["data"]["fingerprint"] = "0" * 64
+    atomic_torch_save(ckpt, tmp_path / "moved.pt")
+    capsys.readouterr()
+    assert export(tmp_path / "moved.pt", tmp_path / "hf3") == 0
+    assert "has changed since this checkpoint was saved" in capsys.readouterr().err
 
 
 def test_pickled_code_is_refused_from_the_command_line(tmp_path):

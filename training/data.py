@@ -27,6 +27,18 @@ def data_fingerprint(meta: dict) -> str:
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
 
 
+def data_changed_since(ckpt: dict, data_dir: Path) -> bool:
+    """Whether ``data_dir`` differs from the data a checkpoint was saved on (its meta.json's
+    fingerprint is not the one recorded: re-prepared, perhaps with another tokenizer). False when
+    either is unknown (an older checkpoint, an unreadable meta.json)."""
+    saved = (ckpt.get("data") or {}).get("fingerprint")
+    try:
+        now = data_fingerprint(json.loads((Path(data_dir) / "meta.json").read_text()))
+    except (OSError, ValueError):
+        return False
+    return saved is not None and saved != now
+
+
 class TokenWindows(Dataset):
     """Non-overlapping windows of ``seq_len + 1`` tokens over every shard of one split.
 
