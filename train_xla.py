@@ -19,6 +19,7 @@ import sys
 import traceback
 from concurrent.futures.process import BrokenProcessPool
 
+from training.checkpoint import first_line
 from training.loop import STOP, main, train
 
 
@@ -47,7 +48,7 @@ def _worker(index: int, cfg) -> None:
     from training.checkpoint import CheckpointError
     from training.xla_backend import XLABackend
 
-    spawned = cfg.xla.mode != "spmd"
+    spawned = _spawns(cfg)
     backend = None
     try:
         backend = XLABackend(cfg)
@@ -71,13 +72,19 @@ def _worker(index: int, cfg) -> None:
         raise TrainingExit(code)
 
 
-_FORWARDED: set[int] = set()  # the signals the launcher passed on
+def _spawns(cfg) -> bool:
+    """Whether the workers are processes of their own (xmp.spawn's pool), not this process (SPMD,
+    or ddp with xla.nprocs 1)."""
+    return cfg.xla.mode != "spmd" and cfg.xla.nprocs != 1
+
+
+_FORWARDED: list[int] = []  # the signals the launcher passed on, in order
 
 
 def _forward_signals_to_workers() -> None:
     """The launcher passes SIGTERM/SIGINT on to the worker processes, which stop and save."""
     def forward(signum, frame):
-        _FORWARDED.add(signum)
+        _FORWARDED.append(signum)
         for child in multiprocessing.active_children():
             try:
                 os.kill(child.pid, signum)
@@ -89,29 +96,33 @@ def _forward_signals_to_workers() -> None:
 
 def run(cfg) -> int:
     _default_pjrt_device()
+    if cfg.xla.mode != "spmd":
+        import torch_xla.distributed.xla_multiprocessing as xmp
     try:
         if cfg.xla.mode == "spmd":
             _worker(0, cfg)
+        elif not _spawns(cfg):  # xla.nprocs 1: the worker is this process, with its own stop handlers
+            xmp.spawn(_worker, args=(cfg,), nprocs=1)
         else:
-            import torch_xla.distributed.xla_multiprocessing as xmp
-            if cfg.xla.nprocs != 1:  # 1: the worker is this process, with the stop handlers of its own
-                _forward_signals_to_workers()
-            xmp.spawn(_worker, args=(cfg,), nprocs=cfg.xla.nprocs)
+            _forward_signals_to_workers()
+            try:
+                xmp.spawn(_worker, args=(cfg,), nprocs=cfg.xla.nprocs)
+            except BrokenProcessPool:
+                twice = _FORWARDED.count(signal.SIGINT) >= 2
+                print("train_xla.py: error: a worker process ended without finishing "
+                      + ("(a second Ctrl+C: no checkpoint saved)" if twice else "(killed, or crashed: see above)"),
+                      file=sys.stderr)
+                return 130 if twice else 1
+            except TrainingExit:
+                raise
+            except Exception as e:  # a worker's own exception, pickled back: its traceback is printed
+                print(f"train_xla.py: error: a worker process failed ({type(e).__name__}: {first_line(e)}; "
+                      "its traceback is above)", file=sys.stderr)
+                return 1
     except TrainingExit as e:
         if e.message:
             print(f"train_xla.py: error: {e.message}", file=sys.stderr)
         return e.code
-    except BrokenProcessPool:
-        print("train_xla.py: error: a worker process ended without finishing "
-              + ("(a second Ctrl+C: no checkpoint saved)" if signal.SIGINT in _FORWARDED
-                 else "(killed, or crashed: see above)"), file=sys.stderr)
-        return 130 if signal.SIGINT in _FORWARDED else 1
-    except Exception as e:
-        if cfg.xla.mode == "spmd":
-            raise
-        print(f"train_xla.py: error: a worker process failed ({type(e).__name__}; its traceback is above)",
-              file=sys.stderr)
-        return 1
     return 0
 
 
