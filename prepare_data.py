@@ -526,7 +526,9 @@ class ShardWriter:
         """Append token ids (already eos-terminated documents)."""
         if len(ids) == 0:
             return
-        arr = np.array(ids, dtype=self.dtype)  # raises if an id does not fit the dtype
+        if isinstance(ids, np.ndarray) and int(ids.max()) > np.iinfo(self.dtype).max:
+            raise OverflowError(f"token id {int(ids.max())} does not fit {np.dtype(self.dtype).name}")
+        arr = np.array(ids, dtype=self.dtype)  # a list: raises if an id does not fit the dtype
         self.pending.append(arr)
         self.n_pending += arr.size
         self.documents += documents
