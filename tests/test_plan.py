@@ -144,6 +144,12 @@ def test_train_py_fsdp_divides_weights_gradients_and_state_over_the_processes():
     assert split.parts["optimizer state"] == pytest.approx((whole.parts["optimizer state"] - steps) / 4 + steps)
     for part in ("saved activations", "input batches"):
         assert whole.parts[part] == split.parts[part], part
+    # FSDP2 holds some parameters whole while the step runs: the root's (embedding, head) and
+    # the running and the prefetched block's; the rest of each is the chip's own shard
+    blocks = [sum(p.numel() * 4 for p in b.parameters()) for b in model.blocks]
+    held = weights - sum(blocks) + 2 * max(blocks)
+    assert whole.parts["all-gathered weights"] == 0
+    assert split.parts["all-gathered weights"] == pytest.approx(held * (1 - 1 / 4))
 
 
 def test_scan_layers_adds_the_stacked_block_weights_and_their_gradient():

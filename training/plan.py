@@ -395,6 +395,10 @@ class Trace:
     records: list[list]
     marks: dict[str, int]
     source: Optional[np.ndarray] = None   # row of the traced step each row repeats (deepened traces)
+    # FSDP2 (train.py's training.fsdp): the bytes of parameters it holds whole while a step runs,
+    # whatever the op: the root's (embedding, head: not resharded) and two blocks' (the one running,
+    # the next prefetched). Counted at every row, so at the optimizer step it is an upper bound.
+    unsharded: float = 0.0
 
     @classmethod
     def from_recorder(cls, r: _Recorder) -> "Trace":
@@ -525,7 +529,11 @@ class Trace:
 
     def per_chip(self, layout: Layout) -> np.ndarray:
         s, g = self.scales(layout)
-        return self.live @ s + self.gathered @ g
+        return self.live @ s + self.gathered @ g + self.whole_params(layout)
+
+    def whole_params(self, layout: Layout) -> float:
+        """The part of ``unsharded`` not on the chip before FSDP2 gathers it (0 off FSDP2)."""
+        return self.unsharded * (1.0 - 1.0 / layout.chips) if layout.mode == "fsdp2" else 0.0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -575,15 +583,26 @@ _TRACES: dict[str, Trace] = {}  # the same step on other meshes or chips: one tr
 
 def _trace_step(cfg, layout, device, micro_batch, evaluation, deepen) -> Trace:
     n_layers = cfg.model.n_layers
+    trace = None
     if deepen and n_layers > TRACED_BLOCKS:
         small = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, n_layers=TRACED_BLOCKS))
         trace, per_layer = _trace(small, layout, device, micro_batch, evaluation, n_layers)
         needed = {f"forward {k}" for k in ("0", "1", "2", "end")}
         if not evaluation:
             needed |= {f"backward {k}" for k in ("0", "1", "2", "top")}
-        if needed <= trace.marks.keys():
-            return trace.deepen(n_layers, per_layer)
-    return _trace(cfg, layout, device, micro_batch, evaluation)[0]
+        trace = trace.deepen(n_layers, per_layer) if needed <= trace.marks.keys() else None
+    if trace is None:
+        trace = _trace(cfg, layout, device, micro_batch, evaluation)[0]
+    return dataclasses.replace(trace, unsharded=_fsdp2_unsharded_bytes(cfg.model))
+
+
+def _fsdp2_unsharded_bytes(mcfg: ModelConfig) -> float:
+    """``Trace.unsharded``: the root's parameters and the two largest blocks', fp32."""
+    with torch.device("meta"):
+        model = NashMHC(mcfg)
+    nbytes = lambda params: sum(p.numel() * 4 for p in params)  # noqa: E731
+    blocks = sorted((nbytes(b.parameters()) for b in model.blocks), reverse=True)
+    return float(nbytes(model.parameters()) - sum(blocks) + sum(blocks[:2]))
 
 
 def _trace(cfg: Config, layout: Layout, device: Device, micro_batch: Optional[int],
@@ -778,7 +797,7 @@ def peak_of(trace: Trace, layout: Layout) -> Peak:
     by_kind: dict[str, float] = {}
     for (kind, _), v in zip(trace.columns, trace.live[i] * s):
         by_kind[kind] = by_kind.get(kind, 0.0) + float(v)
-    by_kind["gather"] = float(trace.gathered[i] @ g)
+    by_kind["gather"] = float(trace.gathered[i] @ g) + trace.whole_params(layout)
     parts = {label: sum(by_kind.get(k, 0.0) for k in kinds) for label, kinds in PARTS}
     src = int(trace.source[i]) if trace.source is not None else i
     largest = []
