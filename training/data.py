@@ -138,6 +138,25 @@ def ignore_stop_signals(worker_id: int) -> None:
     and a worker whose trainer is gone exits on its own (DataLoader's watchdog)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if hasattr(signal, "pthread_sigmask"):  # blocked while the worker started (see _start_workers)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
+
+
+_STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+
+
+def _start_workers(make):
+    """``make()`` (a DataLoader iterator, which starts its worker processes) with SIGINT and
+    SIGTERM blocked in this thread: the workers inherit the block, which holds until their
+    ``ignore_stop_signals`` runs (a spawned worker imports torch first, seconds with default
+    handlers otherwise). A signal that comes meanwhile reaches this process once unblocked."""
+    if not hasattr(signal, "pthread_sigmask"):
+        return make()
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    try:
+        return make()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 class DataStream:
@@ -198,6 +217,9 @@ class DataStream:
         shutdown = getattr(it, "_shutdown_workers", None)  # multi-process iterators only
         if shutdown is not None:
             shutdown()
+            for w in getattr(it, "_workers", []):  # stuck: its SIGTERM from shutdown is ignored
+                if w.is_alive():
+                    w.kill()
 
     def __next__(self):
         if self._left == 0:
@@ -206,7 +228,8 @@ class DataStream:
             # its own generator: a DataLoader iterator draws a seed for its workers, which from the
             # global RNG would shift every later dropout mask of a resumed run by one draw
             seeds = torch.Generator().manual_seed(self.sampler.seed + self.epoch)
-            self._it = iter(DataLoader(self.dataset, sampler=self.sampler, generator=seeds, **self.loader_kwargs))
+            self._it = _start_workers(lambda: iter(DataLoader(self.dataset, sampler=self.sampler,
+                                                              generator=seeds, **self.loader_kwargs)))
             self._left = self.remaining(self.offset)
         batch = next(self._it)
         self._left -= 1
