@@ -42,7 +42,7 @@ from model import NashMHC
 from prepare_data import TOKENIZER_FILES, DataError, TokenizerSpec, install
 from training.checkpoint import FORMAT_VERSION, CheckpointError, atomic_torch_save
 from training.config import Config, ConfigError
-from training.data import data_changed_since
+from training.data import data_change_warning
 from training.hf import (from_llama_state_dict, llama_incompatibility, load_llama, load_training_checkpoint,
                          max_logit_difference, model_from_checkpoint, probe_tokens, to_llama_config,
                          to_llama_state_dict)
@@ -179,9 +179,10 @@ def export(args) -> str:
     if args.tokenizer is None and data_dir is None:
         raise ExportError(f"{where}: no data.dir in the stored config; pass --tokenizer DIR")
     tok_dir = Path(args.tokenizer).expanduser() if args.tokenizer else data_dir
-    if args.tokenizer is None and data_changed_since(ckpt, data_dir):
-        say(f"warning: {data_dir} has changed since this checkpoint was saved (its meta.json differs): "
-            "its tokenizer may not be the one the model was trained with (pass --tokenizer)")
+    changed = args.tokenizer is None and data_change_warning(
+        ckpt, data_dir, f"the tokenizer of {data_dir} may not be the model's (pass --tokenizer)")
+    if changed:
+        say(changed)
     spec = tokenizer_spec(tok_dir)
     rows, vocab_lines = vocabulary(cfg.vocab_size, spec)
     why_remote = llama_incompatibility(cfg)

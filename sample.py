@@ -18,7 +18,7 @@ import torch
 from model import NashMHC
 from training.checkpoint import CheckpointError, first_line, resolve_checkpoint
 from training.config import ConfigError
-from training.data import data_changed_since
+from training.data import data_change_warning
 from training.hf import model_from_checkpoint
 
 EOS_TOKEN = "<|endoftext|>"  # prepare_data.py's document separator: where an empty prompt starts
@@ -80,10 +80,10 @@ def main(argv=None) -> int:
         if args.tokenizer is None and data_dir is None:
             raise FileNotFoundError("the checkpoint records no data.dir: pass --tokenizer")
         tok_path = args.tokenizer or data_dir
-        if args.tokenizer is None and data_changed_since(ckpt, data_dir):
-            print(f"warning: {data_dir} has changed since this checkpoint was saved (its meta.json "
-                  "differs): its tokenizer may not be the one the model was trained with "
-                  "(pass --tokenizer)", file=sys.stderr)
+        changed = args.tokenizer is None and data_change_warning(
+            ckpt, data_dir, f"the tokenizer of {data_dir} may not be the model's (pass --tokenizer)")
+        if changed:
+            print(changed, file=sys.stderr)
         if tok_path.is_dir():
             tok_path = tok_path / "tokenizer.json"
         if not tok_path.is_file():

@@ -323,7 +323,7 @@ def test_refusals_are_one_line_and_touch_nothing(tmp_path, stdlib_data, capsys, 
     atomic_torch_save(ckpt, tmp_path / "moved.pt")
     capsys.readouterr()
     assert export(tmp_path / "moved.pt", tmp_path / "hf3") == 0
-    assert "has changed since this checkpoint was saved" in capsys.readouterr().err
+    assert "saved while training on other data (meta.json differs): the tokenizer of" in capsys.readouterr().err
 
 
 def test_pickled_code_is_refused_from_the_command_line(tmp_path):

@@ -43,9 +43,6 @@ class Backend:
     world_size: int = 1   # data-parallel replicas (sampler shards)
     rank: int = 0         # this process's replica index
     is_master: bool = True
-    # Steps between host-side checks that need agreement across processes (stop signals).
-    # 1 costs a tiny collective per step; XLA backends check at log intervals instead.
-    signal_check_interval: int = 1
 
     # -- set-up ------------------------------------------------------------------------------
     def autocast_dtype(self, precision: str) -> torch.dtype | None:

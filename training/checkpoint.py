@@ -469,14 +469,12 @@ class Checkpointer:
         if self.backend.is_master:
             for p in clean_uncommitted(self.run_dir):
                 self.log(f"removed {p}: an unfinished save")
-        error = None
+        error = found = None
         try:
             found = self._find(resume)
         except CheckpointError as e:
-            found, error = None, e
-        failed = self.backend.host.first_error("" if error is None else str(error))
-        if failed:  # every process stops here, with the first failing process's reason
-            raise error or CheckpointError(f"{failed} (on another process)")
+            error = e
+        self.backend.host.raise_together(error, CheckpointError)  # all stop, or none
         start = found[1]["step"] if found else 0
         ahead = [p for s, p in list_checkpoints(self.run_dir) if s > start] if resume != "auto" else []
         # auto with committed checkpoints of which none loads: starting over would save new
@@ -564,6 +562,7 @@ class Checkpointer:
 
         A failure (shards that ``peek_checkpoint``'s size checks passed but do not read, a state
         that does not fit) stops every process, in one line naming the checkpoint."""
+        from torch.distributed.checkpoint.api import CheckpointException as DCPCheckpointException
         error = None
         try:
             if Path(path).is_dir() and self.sharded:
@@ -574,12 +573,14 @@ class Checkpointer:
                 self.backend.load_full_state(model, optimizer, full["model"], full["optimizer"])
         except CheckpointError as e:
             error = e
-        except Exception as e:  # DCP's CheckpointException, a storage error, a mismatched state
+        except torch.OutOfMemoryError:
+            raise  # not the checkpoint's fault
+        except (DCPCheckpointException, OSError, RuntimeError, ValueError, KeyError) as e:
+            # what unreadable shards (DCP gathers every reader's failure) or a state that does
+            # not fit the model raise
             error = CheckpointError(f"{path}: cannot be loaded ({type(e).__name__}: {first_line(e)}); "
                                     "set checkpoint.resume to an earlier checkpoint")
-        failed = self.backend.host.first_error("" if error is None else str(error))
-        if failed:
-            raise error or CheckpointError(f"{failed} (on another process)")
+        self.backend.host.raise_together(error, CheckpointError)  # all stop, or none
 
     # -- save --------------------------------------------------------------------------------
     def save(self, meta: dict, model, optimizer, reason: str, wait: bool = False) -> Path:

@@ -27,16 +27,21 @@ def data_fingerprint(meta: dict) -> str:
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
 
 
-def data_changed_since(ckpt: dict, data_dir: Path) -> bool:
-    """Whether ``data_dir`` differs from the data a checkpoint was saved on (its meta.json's
-    fingerprint is not the one recorded: re-prepared, perhaps with another tokenizer). False when
-    either is unknown (an older checkpoint, an unreadable meta.json)."""
+def data_change_warning(ckpt: dict, data: Path | dict, where: str) -> str | None:
+    """A warning when a checkpoint was saved while training on other data than ``data`` (a data
+    directory, or its meta.json already read) holds now: its meta.json fingerprint differs
+    (re-prepared, perhaps with another tokenizer). ``where`` ends the sentence's first half: what
+    the difference means to the caller. None when they agree or either is unknown."""
     saved = (ckpt.get("data") or {}).get("fingerprint")
+    if saved is None:  # checkpoints of older versions
+        return None
     try:
-        now = data_fingerprint(json.loads((Path(data_dir) / "meta.json").read_text()))
+        meta = data if isinstance(data, dict) else json.loads((Path(data) / "meta.json").read_text())
     except (OSError, ValueError):
-        return False
-    return saved is not None and saved != now
+        return None
+    if saved == data_fingerprint(meta):
+        return None
+    return f"warning: the checkpoint was saved while training on other data (meta.json differs): {where}"
 
 
 class TokenWindows(Dataset):

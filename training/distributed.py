@@ -91,6 +91,13 @@ class HostGroup:
             return error
         return next((e for e in self.all_gather_text(error) if e), "")
 
+    def raise_together(self, error: Exception | None, kind: type = RuntimeError) -> None:
+        """Raise on every process if ``error`` happened on any (one ``first_error`` all-gather):
+        this process's own ``error``, or ``kind`` with the first failing process's reason."""
+        failed = self.first_error("" if error is None else str(error))
+        if failed:
+            raise error or kind(f"{failed} (on another process)")
+
     def barrier(self) -> None:
         if self.group is not None:
             dist.barrier(group=self.group)

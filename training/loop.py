@@ -26,7 +26,7 @@ from model import NashMHC
 from .backend import Backend
 from .checkpoint import FORMAT_VERSION, Checkpointer, CheckpointError, rng_state, set_rng_state
 from .config import Config, ConfigError, check_data, config_from_dict
-from .data import DataStream, TokenWindows, data_fingerprint, eval_batches
+from .data import DataStream, TokenWindows, data_change_warning, data_fingerprint, eval_batches
 from .hf import load_initial_weights
 from .monitor import Monitor, info
 from .optim import build_optimizer, lr_at, set_lr
@@ -176,9 +176,7 @@ class Trainer:
                 check_resume_compatible(cfg, init, init_path, optimizer=False)
             except (CheckpointError, ConfigError) as e:
                 error = e
-            failed = backend.host.first_error("" if error is None else str(error))
-            if failed:  # every process stops, with the first failing process's reason
-                raise error or CheckpointError(f"{failed} (on another process)")
+            backend.host.raise_together(error, CheckpointError)  # all stop, or none
             model.load_state_dict(init["model"])
             self.log_line(f"initial weights from {init_path}")
             del init
@@ -261,11 +259,11 @@ class Trainer:
         state.nonfinite_total = int(ckpt.get("nonfinite", {}).get("total", 0))
         self.log_line(f"resumed from {path} at step {state.step} (epoch {state.epoch}, sample "
                       f"{state.offset}, {state.tokens_seen:,} tokens seen)")
-        saved = ckpt["data"].get("fingerprint")  # absent in checkpoints of older versions
-        if saved is not None and saved != data_fingerprint(self.meta):
-            self.log_line(f"warning: {path} was saved while training on other data than "
-                          f"data.dir={self.cfg.data.dir} holds now (its meta.json differs): training "
-                          f"goes on at epoch {state.epoch}, sample {state.offset} of this data's order")
+        changed = data_change_warning(ckpt, self.meta, f"data.dir={self.cfg.data.dir} holds other data "
+                                      f"now; training goes on at epoch {state.epoch}, sample "
+                                      f"{state.offset} of this data's order")
+        if changed:
+            self.log_line(changed)
         try:
             saved_len = int(ckpt["config"]["data"]["seq_len"])
         except (KeyError, TypeError, ValueError):
@@ -457,9 +455,8 @@ class Trainer:
                 self.monitor.advance(state.step)
 
                 # Decisions at log steps (every process logs at the same steps); one process
-                # needs no agreement and may look more often.
-                alone = backend.host.size == 1 and state.step % backend.signal_check_interval == 0
-                if do_log or alone:
+                # needs no agreement and looks after every step.
+                if do_log or backend.host.size == 1:
                     reason = self.should_stop()
                     if reason is not None:
                         exit_reason = reason

@@ -399,10 +399,6 @@ class XLABackend(Backend):
             self.ckpt_group = new_gloo_group()  # the checkpoint writer's thread has its own
         self.checkpoint_format = "dcp" if self.spmd else "file"
         self._agree_at_launch(cfg, problem)
-        # Decisions (stop after SIGTERM or non-finite steps) are taken at log steps, where every
-        # process is; a step closure's flags are known after the log step's sync. One process
-        # needs no agreement: it looks at its stop flag after every step.
-        self.signal_check_interval = cfg.logging.interval if self.processes > 1 else 1
         self._specs: dict[int, tuple] = {}
         self._grad_hooks: dict[int, object] = {}
         # Log lines run in torch_xla's asynchronous step closures; wait_host() waits for them.
