@@ -48,6 +48,9 @@ def main(argv=None) -> int:
                                                           "them (default: %(default)s)")
     ap.add_argument("--num-samples", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--ignore-eos", action="store_true",
+                    help=f"print past {EOS_TOKEN}, the end of a document (default: a sample ends there, "
+                         "as transformers' generate ends an exported model's)")
     ap.add_argument("--tokenizer", type=Path, help="tokenizer.json, or a directory holding one "
                                                     "(default: the config's data.dir)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -103,7 +106,11 @@ def main(argv=None) -> int:
     ids = tok.encode(args.prompt).ids or [tok.token_to_id(EOS_TOKEN) or 0]
     idx = torch.tensor([ids] * args.num_samples, dtype=torch.long, device=args.device)
     out = model.generate(idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None)
+    eos = tok.token_to_id(EOS_TOKEN)
     for i, row in enumerate(out.tolist()):
+        new_ids = row[len(ids):]
+        if eos is not None and eos in new_ids and not args.ignore_eos:
+            row = row[:len(ids) + new_ids.index(eos) + 1]
         print(f"----- sample {i + 1} -----")
         print(tok.decode(row, skip_special_tokens=False))
     return 0

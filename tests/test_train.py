@@ -74,6 +74,17 @@ def test_trains_logs_and_checkpoints(tmp_path, stdlib_data):
                        ([], "weights and stored config disagree")):
         r = run(["sample.py", str(tmp_path / ("odd.pt" if not args else "run")), *args])
         assert r.returncode == 2 and "Traceback" not in r.stderr and said in r.stderr, (args, r.stderr[-2000:])
+    # a sample ends at <|endoftext|> (the end of a document), as transformers' generate ends an
+    # exported model's; --ignore-eos prints on (generate patched to emit one mid-way)
+    eos = big.token_to_id("<|endoftext|>")
+    patch = ("import torch\nfrom model import NashMHC\nNashMHC.generate = lambda self, idx, n, **kw: "
+             f"torch.cat([idx, torch.tensor([[65, {eos}, 66, 67]] * len(idx))], 1)\n")
+    prompt = big.encode("def ").ids
+    for extra, tail in (([], [65, eos]), (["--ignore-eos"], [65, eos, 66, 67])):
+        r = run_patched(tmp_path, patch, ["sample.py", tmp_path / "run", "--prompt", "def ", *extra])
+        assert r.returncode == 0, r.stderr[-2000:]
+        want = big.decode(prompt + tail, skip_special_tokens=False)
+        assert r.stdout.split("----- sample 2 -----\n")[1] == want + "\n", (r.stdout, want)
     # the data directory re-prepared since the checkpoint (meta.json differs): said
     atomic_torch_save(dict(ck, data={**ck["data"], "fingerprint": "0" * 64}), tmp_path / "moved.pt")
     r = run(["sample.py", str(tmp_path / "moved.pt"), "--max-new-tokens", "2"])
