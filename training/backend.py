@@ -43,6 +43,10 @@ class Backend:
     world_size: int = 1   # data-parallel replicas (sampler shards)
     rank: int = 0         # this process's replica index
     is_master: bool = True
+    # Whether the stop decision (a signal on any process) is taken after every step: one tiny
+    # host-side all-reduce per step, which torchrun's 30 s between passing a signal on and
+    # SIGKILL needs. The XLA backend with several processes decides at log steps instead.
+    decides_every_step: bool = True
 
     # -- set-up ------------------------------------------------------------------------------
     def autocast_dtype(self, precision: str) -> torch.dtype | None:

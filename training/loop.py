@@ -454,9 +454,9 @@ class Trainer:
                 backend.sync()
                 self.monitor.advance(state.step)
 
-                # Decisions at log steps (every process logs at the same steps); one process
-                # needs no agreement and looks after every step.
-                if do_log or backend.host.size == 1:
+                # Decisions together, after every step or at log steps (every process logs at
+                # the same steps): Backend.decides_every_step.
+                if do_log or backend.decides_every_step:
                     reason = self.should_stop()
                     if reason is not None:
                         exit_reason = reason
