@@ -76,3 +76,15 @@ def run_patched(tmp_path: Path, patch: str, args, env=None):
     """``patched_script`` run in a fresh interpreter."""
     return subprocess.run([sys.executable, str(patched_script(tmp_path, patch, args))], cwd=ROOT,
                           env=env or ENV, capture_output=True, text=True, timeout=600)
+
+
+def sigterm_during_step(step: int, rank: str | None = None) -> str:
+    """A ``patched_script`` patch: the process (only torchrun's RANK ``rank``, if given) sends
+    itself SIGTERM as optimiser step ``step`` starts (1-based), from inside the run."""
+    only = f' and os.environ.get("RANK") == "{rank}"' if rank is not None else ""
+    return ("import os, signal\nfrom training.loop import Trainer\ntrain_step = Trainer.train_step\n"
+            "def train_step_with_a_signal(self, lr):\n"
+            f"    if self.state.step == {step - 1}{only}:\n"
+            "        os.kill(os.getpid(), signal.SIGTERM)\n"
+            "    return train_step(self, lr)\n"
+            "Trainer.train_step = train_step_with_a_signal\n")

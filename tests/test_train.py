@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import ENV, ROOT, losses, metrics, patched_script, run, run_patched, tiny_config, wait_for_step
+from helpers import (ENV, ROOT, losses, metrics, patched_script, run, run_patched, sigterm_during_step, tiny_config,
+                     wait_for_step)
 from training.checkpoint import list_checkpoints
 from training.data import data_fingerprint
 
@@ -515,18 +516,6 @@ def test_a_checkpoint_whose_tensors_do_not_load_is_one_line(tmp_path, stdlib_dat
         "set checkpoint.resume to an earlier checkpoint")
 
 
-RANK_1_SIGTERM_DURING_STEP_3 = """
-import os, signal
-from training.loop import Trainer
-train_step = Trainer.train_step
-def train_step_with_a_signal(self, lr):
-    if self.state.step == 2 and os.environ.get("RANK") == "1":
-        os.kill(os.getpid(), signal.SIGTERM)
-    return train_step(self, lr)
-Trainer.train_step = train_step_with_a_signal
-"""
-
-
 @needs_torchrun
 def test_ddp_processes_stop_together_at_the_step_after_a_signal(tmp_path, stdlib_data):
     """A SIGTERM that reaches one torchrun worker during step 3 stops both after step 3, not at
@@ -534,7 +523,8 @@ def test_ddp_processes_stop_together_at_the_step_after_a_signal(tmp_path, stdlib
     starts well inside the 30 s torchrun gives its workers before SIGKILL."""
     cfg = tiny_config(tmp_path, stdlib_data, **{"training.max_steps": 20, "logging.interval": 10,
                                                 "checkpoint.interval": 0, "evaluation.interval": 0})
-    script = patched_script(tmp_path, RANK_1_SIGTERM_DURING_STEP_3, ["train.py", cfg, "training.batch_size=2"])
+    script = patched_script(tmp_path, sigterm_during_step(3, rank="1"),
+                            ["train.py", cfg, "training.batch_size=2"])
     proc = subprocess.run([TORCHRUN, "--standalone", "--nproc_per_node=2", str(script)], cwd=ROOT,
                           env=ENV, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from helpers import ENV, ROOT, losses, metrics, run, run_patched, tiny_config, wait_for_step
+from helpers import ENV, ROOT, losses, metrics, run, run_patched, sigterm_during_step, tiny_config, wait_for_step
 
 pytest.importorskip("torch_xla")
 pytestmark = pytest.mark.xla
@@ -190,18 +190,6 @@ def test_spmd_checkpoint_reshards_exactly(tmp_path, stdlib_data):
         close(got, ref, 1e-5, steps=list(range(6, 11)))  # fp32; only reduction orders differ
 
 
-SIGTERM_DURING_STEP_3 = """
-import os, signal
-from training.loop import Trainer
-train_step = Trainer.train_step
-def train_step_with_a_signal(self, lr):
-    if self.state.step == 2:
-        os.kill(os.getpid(), signal.SIGTERM)
-    return train_step(self, lr)
-Trainer.train_step = train_step_with_a_signal
-"""
-
-
 @pytest.mark.parametrize("args", [["train.py"], ["train_xla.py", "xla.mode=spmd"]])
 def test_one_process_stops_at_the_step_after_a_signal(tmp_path, stdlib_data, args):
     """One process needs no agreement with others, so it acts on a SIGTERM at the end of the step
@@ -210,7 +198,7 @@ def test_one_process_stops_at_the_step_after_a_signal(tmp_path, stdlib_data, arg
     over = {"training.max_steps": 20, "logging.interval": 10, "checkpoint.interval": 0,
             "evaluation.interval": 0}
     cfg = tiny_config(tmp_path, stdlib_data, **over)
-    r = run_patched(tmp_path, SIGTERM_DURING_STEP_3, [args[0], cfg, *args[1:]])
+    r = run_patched(tmp_path, sigterm_during_step(3), [args[0], cfg, *args[1:]])
     assert r.returncode == 0 and "stopped at step 3 after SIGTERM" in r.stderr, r.stderr[-3000:]
     assert [p.stem for p in (tmp_path / "run").glob("ckpt_*")] == ["ckpt_00000003"]  # a file or a DCP directory
 

@@ -52,10 +52,13 @@ class Backend:
     def autocast_dtype(self, precision: str) -> torch.dtype | None:
         return torch.bfloat16 if precision == "bf16" else None
 
+    # autocast's cache of weight casts (TorchBackend turns it off under FSDP2)
+    autocast_cache: bool = True
+
     def autocast(self, dtype: torch.dtype | None):
         if dtype is None:
             return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=dtype)
+        return torch.autocast(device_type=self.device.type, dtype=dtype, cache_enabled=self.autocast_cache)
 
     def prepare_model(self, model: nn.Module, cfg) -> nn.Module:
         """Move (and wrap, shard or compile) the model; returns what the loop calls forward on."""
@@ -297,6 +300,10 @@ class TorchBackend(Backend):
             print("warning: training.fsdp shards over torchrun processes; with one process the "
                   "model is trained unsharded", file=sys.stderr)
         self.checkpoint_format = "dcp" if self.fsdp else "file"
+        # Under FSDP2, autocast's cache of bf16 weight casts would keep every block's gathered
+        # weights, cast, until the forward ends (FSDP2 frees its own copy after each block): a
+        # bf16 copy of the whole model per GPU. Without the cache a weight is cast where it is used.
+        self.autocast_cache = not self.fsdp
         if self.device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
@@ -337,14 +344,6 @@ class TorchBackend(Backend):
             warnings.warn("this CPU has no native bf16 (AVX512-BF16/AMX): bf16 autocast is emulated "
                           "and many times slower than fp32; set training.precision=fp32")
         return torch.bfloat16
-
-    def autocast(self, dtype: torch.dtype | None):
-        if dtype is None:
-            return contextlib.nullcontext()
-        # Under FSDP2, autocast's cache of bf16 weight casts would keep every block's gathered
-        # weights, cast, until the forward ends (FSDP2 frees its own copy after each block): a
-        # bf16 copy of the whole model per GPU. Without the cache a weight is cast where it is used.
-        return torch.autocast(device_type=self.device.type, dtype=dtype, cache_enabled=not self.fsdp)
 
     def prepare_model(self, model: nn.Module, cfg) -> nn.Module:
         model = model.to(self.device)

@@ -83,18 +83,13 @@ class HostGroup:
         dist.all_gather(everyone, mine, group=self.group)
         return [bytes(t.tolist()).rstrip(b"\0").decode(errors="replace") for t in everyone]
 
-    def first_error(self, error: str) -> str:
-        """The first non-empty ``error`` over the processes, in rank order ("" if none): for work
-        that may fail on some processes only (a checkpoint one host cannot read), so that every
-        process raises, instead of the others dying in the next collective. One all-gather."""
-        if self.group is None:
-            return error
-        return next((e for e in self.all_gather_text(error) if e), "")
-
     def raise_together(self, error: Exception | None, kind: type = RuntimeError) -> None:
-        """Raise on every process if ``error`` happened on any (one ``first_error`` all-gather):
-        this process's own ``error``, or ``kind`` with the first failing process's reason."""
-        failed = self.first_error("" if error is None else str(error))
+        """Raise on every process if ``error`` happened on any, for work that may fail on some
+        processes only (a checkpoint one host cannot read), instead of the others dying in the
+        next collective: this process's own ``error``, or ``kind`` with the first failing
+        process's reason (rank order). One all-gather."""
+        mine = "" if error is None else str(error)
+        failed = mine if self.group is None else next((e for e in self.all_gather_text(mine) if e), "")
         if failed:
             raise error or kind(f"{failed} (on another process)")
 
