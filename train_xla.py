@@ -16,6 +16,8 @@ import multiprocessing
 import os
 import signal
 import sys
+import threading
+import time
 import traceback
 from concurrent.futures.process import BrokenProcessPool
 
@@ -56,20 +58,27 @@ def _worker(index: int, cfg) -> None:
     except (ConfigError, CheckpointError, ValueError) as e:
         if not spawned:
             raise TrainingExit(2, str(e)) from None
-        # said now: the launcher learns of a worker's end only after every worker has ended, and
-        # the others may be waiting for this one in a collective
         print(f"train_xla.py: error: {f'[process {index}] ' if index else ''}{e}", file=sys.stderr, flush=True)
-        raise TrainingExit(2) from None
+        code = 2
     except BaseException:
-        if spawned:
-            traceback.print_exc()
-            sys.stderr.flush()
-        raise
+        if not spawned:
+            raise
+        traceback.print_exc()
+        code = 1
+    else:
+        if code != 0:
+            raise TrainingExit(code)
+        return
     finally:
         if backend is not None:
             backend.shutdown()  # the gloo group of a multi-process run, as train.py does
-    if code != 0:
-        raise TrainingExit(code)
+    # A spawned replica that failed ends its process, error said first. Raising would hand the
+    # error to xmp.spawn's pool and leave the process alive, while the other replicas wait for it
+    # in their next collective for ever (the pool reports nothing until every replica returned);
+    # a process that ends breaks the pool, and the launcher's _PeerWatch stops the others.
+    sys.stderr.flush()
+    sys.stdout.flush()
+    os._exit(code)
 
 
 def _spawns(cfg) -> bool:
@@ -94,6 +103,51 @@ def _forward_signals_to_workers() -> None:
     signal.signal(signal.SIGINT, forward)
 
 
+WORKER_GRACE_S = 10.0  # how long the other replicas may take to end after one failed
+
+
+class _PeerWatch(threading.Thread):
+    """The launcher's watch over xmp.spawn's worker processes: once one has ended with a non-zero
+    exit code (a replica that failed, or a process the kernel killed), the others get
+    ``WORKER_GRACE_S`` to end by themselves (replicas that failed together), then SIGKILL. They
+    cannot finish without the failed one (every step and every save is collective), and a
+    replica waiting in a collective never returns: SIGTERM, which the pool sends when it breaks,
+    only asks them to save, which needs the failed one too. torchrun stops its workers so."""
+
+    def __init__(self, grace_s: float):
+        super().__init__(name="peer-watch", daemon=True)
+        self.grace_s = grace_s
+        self.killed = 0                  # how many were killed after the grace period
+        self._seen: dict[int, multiprocessing.Process] = {}
+        self._done = threading.Event()
+
+    @property
+    def failed(self) -> int | None:
+        """The exit code that tells the most of the workers' ends so far: a failed replica's own
+        (positive) before a signal's (negative); None while none ended with one."""
+        codes = [p.exitcode for p in self._seen.values() if p.exitcode not in (None, 0)]
+        return max(codes, default=None, key=lambda c: (c > 0, -abs(c)))
+
+    def run(self) -> None:
+        deadline = None
+        while not self._done.wait(0.2):
+            for p in multiprocessing.active_children():
+                self._seen.setdefault(p.pid, p)
+            if deadline is None:
+                if self.failed is not None:
+                    deadline = time.monotonic() + self.grace_s
+            elif time.monotonic() >= deadline:
+                for p in self._seen.values():
+                    if p.exitcode is None:
+                        p.kill()
+                        self.killed += 1
+                return
+
+    def stop(self) -> None:
+        self._done.set()
+        self.join()
+
+
 def run(cfg) -> int:
     _default_pjrt_device()
     if cfg.xla.mode != "spmd":
@@ -105,20 +159,29 @@ def run(cfg) -> int:
             xmp.spawn(_worker, args=(cfg,), nprocs=1)
         else:
             _forward_signals_to_workers()
+            watch = _PeerWatch(WORKER_GRACE_S)
+            watch.start()
             try:
                 xmp.spawn(_worker, args=(cfg,), nprocs=cfg.xla.nprocs)
             except BrokenProcessPool:
-                twice = _FORWARDED.count(signal.SIGINT) >= 2
-                print("train_xla.py: error: a worker process ended without finishing "
-                      + ("(a second Ctrl+C: no checkpoint saved)" if twice else "(killed, or crashed: see above)"),
+                if _FORWARDED.count(signal.SIGINT) >= 2:
+                    print("train_xla.py: error: a worker process ended without finishing (a second Ctrl+C: "
+                          "no checkpoint saved)", file=sys.stderr)
+                    return 130
+                code = watch.failed if watch.failed is not None else 1
+                stopped = f"; {watch.killed} other(s) stopped after {watch.grace_s:g} s" if watch.killed else ""
+                print(f"train_xla.py: error: a worker process ended with "
+                      f"{f'exit code {code}' if code > 0 else f'signal {-code}'} (see above){stopped}",
                       file=sys.stderr)
-                return 130 if twice else 1
+                return code if code > 0 else 1
             except TrainingExit:
                 raise
             except Exception as e:  # a worker's own exception, pickled back: its traceback is printed
                 print(f"train_xla.py: error: a worker process failed ({type(e).__name__}: {first_line(e)}; "
                       "its traceback is above)", file=sys.stderr)
                 return 1
+            finally:
+                watch.stop()
     except TrainingExit as e:
         if e.message:
             print(f"train_xla.py: error: {e.message}", file=sys.stderr)

@@ -222,3 +222,58 @@ def test_one_in_process_worker_keeps_the_default_signal_handlers_outside_the_loo
     r = run_patched(tmp_path, SIGTERM_DURING_SET_UP, ["train_xla.py", cfg, "xla.nprocs=1"])
     assert r.returncode == -signal.SIGTERM, r.stderr[-3000:]
     assert not list((tmp_path / "run").glob("ckpt_*"))
+
+
+# xmp.spawn's pool as torch_xla 2.9's run_multiprocess builds it, with two replica processes
+# (PJRT CPU gives one process, so the multi-process case is this stand-in): replica 1 fails at
+# start, replica 0 trains on into a collective that waits for replica 1 for ever (a sleep),
+# where a SIGTERM does not reach it.
+PEER_FAILS = """
+import concurrent.futures, multiprocessing, sys, time
+sys.path.insert(0, {root!r})
+import train_xla
+from training.loop import main
+
+class NoDevice:
+    def __init__(self, cfg):
+        pass
+    def shutdown(self):
+        pass
+
+def replica(index, cfg):
+    import training.xla_backend
+    from training.loop import STOP
+    STOP.install()  # as train_xla.py's workers: SIGTERM asks for a stop, it does not end the process
+    training.xla_backend.XLABackend = NoDevice
+    def train(cfg, backend):
+        if index == 1:
+            raise ValueError("data: shard 3 is unreadable")
+        time.sleep(600)
+    train_xla.train = train
+    train_xla._worker(index, cfg)
+
+def spawn(fn, args=(), nprocs=None):
+    with concurrent.futures.ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
+        list(pool.map(replica, range(2), [args[0]] * 2))
+
+if __name__ == "__main__":
+    import torch_xla.distributed.xla_multiprocessing as xmp
+    xmp.spawn = spawn
+    train_xla.WORKER_GRACE_S = 1.0
+    sys.exit(main([{cfg!r}], train_xla.run, "train_xla.py", entry="xla"))
+"""
+
+
+def test_a_failed_replica_stops_the_others(tmp_path, stdlib_data):
+    """A spawned replica that fails ends its process, and the launcher stops the replicas that
+    wait for it: before, its error went back to the pool, which reports nothing until every
+    replica has returned, and the others waited in a collective for ever (this run timed out)."""
+    script = tmp_path / "peer_fails.py"
+    script.write_text(PEER_FAILS.format(root=str(ROOT), cfg=str(tiny_config(tmp_path, stdlib_data))))
+    r = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "train_xla.py: error: [process 1] data: shard 3 is unreadable" in r.stderr
+    # (the killed process may leave the pool's semaphores to the resource tracker, which warns after)
+    assert ("train_xla.py: error: a worker process ended with exit code 2 (see above); 1 other(s) "
+            "stopped after 1 s") in r.stderr.splitlines(), r.stderr[-3000:]
