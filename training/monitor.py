@@ -16,14 +16,16 @@ from pathlib import Path
 
 from .checkpoint import atomic_write_text, first_line
 
-# Dense bf16 peak FLOP/s of one device, for MFU (vendors' data sheets, without sparsity). A key
-# matches a device name that holds its words in order, whole: "L4" is not the "L40" in "NVIDIA
-# L40"; the longest matching key wins ("H100 PCIe" over "H100", which is the SXM part).
+# Dense peak FLOP/s of one device in the precision a run trains in there, for MFU (vendors' data
+# sheets, without sparsity): bf16, except on GPUs without bf16 (V100, T4), where training.precision
+# bf16 falls back to fp32 (TorchBackend.autocast_dtype) and the fp32 peak is the one to compare with.
+# A key matches a device name that holds its words in order, whole: "L4" is not the "L40" in
+# "NVIDIA L40"; the longest matching key wins ("H100 PCIe" over "H100", which is the SXM part).
 PEAK_FLOPS = {
     "H200": 989e12, "H100": 989e12, "H100 PCIe": 756e12, "H100 NVL": 835e12, "H800": 989e12,
     "GH200": 989e12, "A100": 312e12, "A100X": 312e12, "A800": 312e12, "L40S": 362e12, "L40": 181e12,
     "L4": 121e12, "A10": 125e12, "A10G": 70e12, "RTX 4090": 165e12, "RTX 3090": 71e12,
-    "V100": 125e12, "V100S": 130e12,
+    "V100": 15.7e12, "V100S": 16.4e12, "T4": 8.1e12,
     "TPU v6": 918e12, "TPU v5p": 459e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v4": 275e12,
 }
 
