@@ -530,3 +530,23 @@ def test_ddp_processes_stop_together_at_the_step_after_a_signal(tmp_path, stdlib
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "stopped at step 3 after a stop signal on another process" in proc.stderr, proc.stderr[-3000:]
     assert [p.name for p in (tmp_path / "run").glob("ckpt_*")] == ["ckpt_00000003.pt"]
+
+
+def test_a_token_budget_resumed_with_another_batch_keeps_its_budget_and_its_schedule(tmp_path, stdlib_data):
+    """training.total_tokens on resume: the steps left are the tokens left in steps of the new size,
+    and the cosine goes on from the tokens trained on. Before, max_steps was the whole budget in
+    new steps counted from step 0 again: half the batch at step 8 of 16 trained 24 more steps, 1.5x
+    the budget, with the learning rate back up where it had been at step 3."""
+    over = {"training.max_steps": None, "training.total_tokens": 16 * 128, "checkpoint.interval": 8,
+            "evaluation.interval": 0, "training.warmup_steps": 2}
+    cfg = tiny_config(tmp_path, stdlib_data, **over)
+    r = run_patched(tmp_path, sigterm_during_step(8), ["train.py", str(cfg)])  # saved at step 8
+    assert r.returncode == 0 and "16 steps (training.total_tokens=2,048)" in r.stderr, r.stderr[-3000:]
+    r = run(["train.py", str(cfg), "training.batch_size=2"])
+    assert r.returncode == 0 and "resumed from" in r.stderr, r.stderr[-3000:]
+    recs = metrics(tmp_path / "run")
+    assert [m["step"] for m in recs] == list(range(1, 25))          # 8 of 128 tokens, then 16 of 64
+    assert recs[-1]["tokens_seen"] == 2048
+    lrs = [m["lr"] for m in recs]
+    assert all(a >= b for a, b in zip(lrs[2:], lrs[3:]))             # one cosine across the resume
+    assert lrs[-1] == pytest.approx(0.1 * 3e-3)                      # down to min_lr at the end

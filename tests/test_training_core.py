@@ -24,21 +24,28 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # -- schedule --------------------------------------------------------------------------------
 
+@settings(deadline=None)  # the first example builds torch's schedulers
 @given(peak=st.floats(1e-5, 1.0), warmup=st.integers(0, 50), extra=st.integers(1, 500),
        ratio=st.floats(0.0, 1.0))
-def test_schedule_warmup_then_cosine(peak, warmup, extra, ratio):
+def test_schedule_is_torchs_warmup_then_cosine(peak, warmup, extra, ratio):
+    """Step for step torch's SequentialLR of a linear warmup and CosineAnnealingLR, which reaches
+    min_lr_ratio x peak at the run's last step (max_steps - 1)."""
     total = warmup + extra
-    lrs = [lr_at(s, total, peak, warmup, ratio) for s in range(total + 1)]
-    assert all(lr > 0 for lr in lrs[:total]) and lrs[total] >= 0  # never 0 before the end
-    for s in range(warmup):  # linear warmup, strictly increasing, reaching the peak
-        assert lrs[s] == pytest.approx(peak * (s + 1) / warmup)
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=peak)
+    cosine = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, extra - 1), eta_min=ratio * peak)
     if warmup:
-        assert lrs[warmup - 1] == pytest.approx(peak)
-    decay = lrs[warmup:]
-    assert decay[0] == pytest.approx(peak)
-    assert all(a >= b - 1e-12 for a, b in zip(decay, decay[1:]))  # non-increasing
-    assert lrs[total] == pytest.approx(ratio * peak, abs=1e-12)
-    assert min(lrs[warmup:]) >= ratio * peak - 1e-12
+        ramp = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: (s + 1) / warmup)
+        sched = torch.optim.lr_scheduler.SequentialLR(opt, [ramp, cosine], milestones=[warmup])
+    else:
+        sched = cosine
+    for s in range(total):
+        ours = lr_at(s, total, peak, warmup, ratio)
+        assert ours == pytest.approx(opt.param_groups[0]["lr"], rel=1e-9, abs=1e-12 * peak), s
+        assert ours > 0 or (s == total - 1 and extra > 1 and ratio * peak == 0)  # never 0 before the end
+        opt.step()
+        sched.step()
+    if extra > 1:
+        assert lr_at(total - 1, total, peak, warmup, ratio) == pytest.approx(ratio * peak, abs=1e-12)
 
 
 # -- config ----------------------------------------------------------------------------------
@@ -75,6 +82,12 @@ def test_config_unknown_section(tmp_path):
     ("training: {max_steps: 3}\ndata: {seq_len: 4096}", "data.seq_len=4096 is above model.max_seq_len"),
     ("training: {}", "exactly one of training.max_steps and training.total_tokens"),
     ("training: {max_steps: 3}\nmodel: {d_model: 100, n_heads: 3}", "model.d_model"),
+    ("training: {max_steps: 3, seed: 18446744073709551616}", r"training.seed=18446744073709551616 must be in \[0, 2\*\*63\)"),
+    # YAML 1.1 reads 1:30 as 90 (base 60); lists and mappings show as written, not as objects
+    ("training: {max_steps: 3, learning_rate: 1:30}", "training.learning_rate: 1:30 is the base-60 number 90 in YAML 1.1"),
+    ("training: {max_steps: 3, betas: [0.9, 0.95, 0.99]}", r"got \[0.9, 0.95, 0.99\]$"),
+    ("training: {max_steps: {steps: 10}}", r"training.max_steps: expected int or null, got \{'steps': 10\}$"),
+    ("logging: {wandb: {mode: off}}\ntraining: {max_steps: 3}", "logging.wandb.mode: 'off' is not one of"),
 ])
 def test_config_bad_values_name_the_key(tmp_path, text, match):
     with pytest.raises(ConfigError, match=match) as e:
@@ -150,6 +163,9 @@ def test_total_tokens_gives_steps(tmp_path):
     cfg = load_config(write(tmp_path, "training: {total_tokens: 1000000, batch_size: 4, "
                                       "gradient_accumulation_steps: 2}\ndata: {seq_len: 128}\n"))
     assert cfg.resolve_steps(replicas=2) == 1000000 // (4 * 2 * 2 * 128)
+    # resumed at step 100 of 488 with half the replicas: the tokens left, in steps of the new size
+    assert cfg.resolve_steps(replicas=1, step=100, tokens_seen=100 * 2048) == 100 + (1000000 - 204800) // 1024
+    assert cfg.resolve_steps(replicas=2, step=488, tokens_seen=488 * 2048) == 488  # done
 
 
 def test_config_data_checks(tmp_path, stdlib_data):

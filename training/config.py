@@ -176,12 +176,16 @@ class Config:
         t = self.training
         return t.batch_size * replicas * t.gradient_accumulation_steps * self.data.seq_len
 
-    def resolve_steps(self, replicas: int) -> int:
-        """max_steps, or total_tokens divided by the tokens of one step (at least 1)."""
+    def resolve_steps(self, replicas: int, step: int = 0, tokens_seen: int = 0) -> int:
+        """The step the run ends at: training.max_steps; or, with training.total_tokens, the steps
+        that reach it from ``step`` with ``tokens_seen`` tokens already trained on (at least one in
+        a fresh run). A resumed run with other tokens per step keeps its budget so."""
         t = self.training
         if t.max_steps is not None:
             return t.max_steps
-        return max(1, t.total_tokens // self.tokens_per_step(replicas))
+        if step == 0:
+            return max(1, t.total_tokens // self.tokens_per_step(replicas))
+        return step + max(0, t.total_tokens - tokens_seen) // self.tokens_per_step(replicas)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -181,9 +181,17 @@ class Trainer:
             self.log_line(f"initial weights from {init_path}")
             del init
         self.finished = False
+        # The schedule's position is the step, or with a token budget the tokens trained on in
+        # steps of this run's size: the same when the tokens per step did not change since the
+        # checkpoint, and a continuation of the cosine where they did (lr_at takes a fraction).
+        self.schedule_shift = 0.0
         if resumed is not None:
             ckpt_path, ckpt = resumed
             check_resume_compatible(cfg, ckpt, ckpt_path)
+            if t_cfg.total_tokens is not None:
+                step, seen = int(ckpt["step"]), int(ckpt["tokens_seen"])
+                self.max_steps = cfg.resolve_steps(replicas, step, seen)
+                self.schedule_shift = seen / self.tokens_per_step - step
             if int(ckpt["step"]) >= self.max_steps:
                 # Nothing to do: no data workers, no compilation, and the checkpoint stays as it is.
                 self.log_line(
@@ -249,6 +257,14 @@ class Trainer:
             f"{t_cfg.batch_size * self.replicas * t_cfg.gradient_accumulation_steps} sequences = "
             f"{self.tokens_per_step:,} tokens per step; {self.max_steps:,} steps"
             + (f" (training.total_tokens={t_cfg.total_tokens:,})" if t_cfg.max_steps is None else ""))
+        if t_cfg.warmup_steps >= self.max_steps:
+            self.log_line(f"warning: training.warmup_steps={t_cfg.warmup_steps} is not below the run's "
+                          f"{self.max_steps:,} steps: the learning rate rises for the whole run and never decays")
+        e_cfg, global_batch = cfg.evaluation, t_cfg.batch_size * self.replicas
+        if len(self.val_ds) // global_batch < e_cfg.steps:
+            self.log_line(f"note: evaluation.steps={e_cfg.steps}, but the val split holds "
+                          f"{len(self.val_ds) // global_batch} global batches of {global_batch}: "
+                          "each evaluation uses those")
 
     def _restore_state(self, path: Path, ckpt: dict) -> None:
         """RNG, step, tokens, data position and counters from a checkpoint (the tensors are in)."""
@@ -435,8 +451,8 @@ class Trainer:
         exit_reason = "done"
         try:
             while state.step < self.max_steps:
-                lr = lr_at(state.step, self.max_steps, t_cfg.learning_rate, t_cfg.warmup_steps,
-                           t_cfg.min_lr_ratio)
+                lr = lr_at(state.step + self.schedule_shift, self.max_steps + self.schedule_shift,
+                           t_cfg.learning_rate, t_cfg.warmup_steps, t_cfg.min_lr_ratio)
                 values = self.train_step(lr)
                 state.step += 1
                 state.batches_done += t_cfg.gradient_accumulation_steps

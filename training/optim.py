@@ -17,15 +17,17 @@ import torch
 from torch import nn
 
 
-def lr_at(step: int, max_steps: int, peak: float, warmup: int, min_ratio: float) -> float:
-    """Linear warmup to ``peak`` over ``warmup`` steps, then cosine decay to ``min_ratio * peak``.
-
-    ``step`` counts from 0 (the first update uses ``lr_at(0)``, never 0).
+def lr_at(step: float, max_steps: float, peak: float, warmup: int, min_ratio: float) -> float:
+    """Linear warmup to ``peak`` over ``warmup`` steps, then cosine decay that reaches
+    ``min_ratio * peak`` at the last step, ``max_steps - 1``: step for step torch's
+    ``SequentialLR`` of ``LambdaLR((s + 1) / warmup)`` and ``CosineAnnealingLR(T_max=max_steps -
+    warmup - 1, eta_min)``. ``step`` counts from 0 (the first update uses ``lr_at(0)``, never 0);
+    it may be fractional (``Trainer.schedule_shift``: a token budget resumed with other tokens
+    per step).
     """
     if warmup > 0 and step < warmup:
         return peak * (step + 1) / warmup
-    decay_steps = max(1, max_steps - warmup)
-    progress = min(1.0, (step - warmup) / decay_steps)
+    progress = min(1.0, (step - warmup) / max(1, max_steps - warmup - 1))
     return peak * (min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
