@@ -14,6 +14,7 @@ import datetime
 import difflib
 import json
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -226,11 +227,16 @@ class _Scalar:
 
     def resolve(self, tp: Any) -> Any:
         args = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
-        if str not in args or self.quoted or isinstance(self.value, (list, dict)):
+        textual = str in args or any(typing.get_origin(a) is Literal and all(isinstance(c, str) for c in
+                                                                              typing.get_args(a)) for a in args)
+        if not textual or self.quoted or isinstance(self.value, (list, dict)):
             return self.value
         if self.value is None and self.text.strip() in self._NULLS:
             return None
         return self.text.strip()
+
+    def __repr__(self) -> str:  # error messages show lists and mappings as they were written
+        return repr(self.value)
 
 
 class _ConfigLoader(unique_key_loader()):
@@ -257,10 +263,18 @@ def _plain(x: Any) -> Any:
     return x.value if isinstance(x, _Scalar) else x
 
 
+# YAML 1.1 reads 1:30 as 90 (base 60, PyYAML's int and float resolvers); nobody means that in a config
+_SEXAGESIMAL = re.compile(r"[-+]?[0-9][0-9_]*(:[0-5]?[0-9])+(\.[0-9_]*)?")
+
+
 def _coerce(value: Any, tp: Any, key: str) -> Any:
     """Check ``value`` against the annotation ``tp``; return it in the schema's type."""
     if isinstance(value, _Scalar):
-        value = value.resolve(tp)
+        scalar, value = value, value.resolve(tp)
+        if not scalar.quoted and value is scalar.value and isinstance(value, (int, float)) \
+                and ":" in scalar.text and _SEXAGESIMAL.fullmatch(scalar.text.strip()):
+            raise ConfigError(f"{key}: {scalar.text.strip()} is the base-60 number {value} in YAML 1.1; "
+                              "write the number itself")
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
@@ -447,6 +461,8 @@ def check(cfg: Config, path: Any = None) -> None:
         bad(f"training.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
     if t.warmup_steps < 0:
         bad(f"training.warmup_steps={t.warmup_steps} must be >= 0")
+    if not 0 <= t.seed < 2**63:
+        bad(f"training.seed={t.seed} must be in [0, 2**63)")
     if t.weight_decay < 0:
         bad(f"training.weight_decay={t.weight_decay} must be >= 0")
     if not all(0 <= b < 1 for b in t.betas):

@@ -4,6 +4,7 @@ the plan of the 3B config (``train_xla.py configs/nash_mhc_3b.yaml --plan --devi
     python -m training.docs          # rewrite the blocks between the markers
     python -m training.docs --check  # exit 1 if README.md is stale (the test suite checks this too)
 """
+import argparse
 import io
 import sys
 from pathlib import Path
@@ -41,10 +42,14 @@ def render(text: str, plan: bool = True) -> str:
     return _replace(text, PLAN_BEGIN, PLAN_END, plan_block()) if plan else text
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m training.docs",
+                                     description="Regenerate README.md's config and plan blocks.")
+    parser.add_argument("--check", action="store_true", help="only say whether they are up to date")
+    args = parser.parse_args(argv)
     text = README.read_text()
     new = render(text)
-    if "--check" in sys.argv[1:]:
+    if args.check:
         if new != text:
             print(f"{README} is stale: run python -m training.docs", file=sys.stderr)
             return 1
