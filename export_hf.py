@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import re
 import secrets
@@ -60,6 +61,18 @@ TOLERANCE = 1e-4  # max |logit difference|, relative to max(1, max |logit|)
 
 class ExportError(Exception):
     """Bad input: reported as one line, no traceback."""
+
+
+def export_tokenizer_files(hf_files: dict[str, bytes], max_seq_len: int) -> dict[str, bytes]:
+    """The data's tokenizer files for an export, its tokenizer_config.json set for the model: padding
+    on the left (generate() appends to every row's end, so right padding would put pad tokens in
+    the middle of a row) and model_max_length = the model's max_seq_len (truncation=True then cuts
+    where the model stops; the default is no limit)."""
+    files = dict(hf_files)
+    config = json.loads(files["tokenizer_config.json"])
+    config.update(padding_side="left", model_max_length=max_seq_len)
+    files["tokenizer_config.json"] = (json.dumps(config, indent=2) + "\n").encode()
+    return files
 
 
 def say(msg: str) -> None:
@@ -207,7 +220,7 @@ def export(args) -> str:
         hf.save_pretrained(staging, max_shard_size=args.max_shard_size)
         del hf
         shutil.copyfile(tok_dir / "tokenizer.json", staging / "tokenizer.json")
-        for name, data in spec.hf_files.items():
+        for name, data in export_tokenizer_files(spec.hf_files, model.config.max_seq_len).items():
             (staging / name).write_bytes(data)
         if why_remote is not None:
             for name in REMOTE_CODE:

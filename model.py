@@ -921,17 +921,22 @@ class NashMHC(nn.Module):
         Weights N(0, init_std); the projections into the residual (wo, w2) and an untied LM head
         N(0, init_std / sqrt(2 n_layers)) (GPT-2), so the initial loss is ~ln(vocab_size).
         """
+        for name, m in self.named_modules():
+            self.init_module(name, m)
+        self.init_buffers()
+
+    @torch.no_grad()
+    def init_module(self, name: str, m: nn.Module) -> None:
+        """``init_weights`` for one module ``m`` named ``name`` in this model: its own parameters."""
         cfg = self.config
         std, out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.n_layers)
-        for name, m in self.named_modules():
-            if isinstance(m, nn.Linear) and not (m is self.lm_head and cfg.tie_embeddings):
-                small = name.endswith((".wo", ".w2")) or m is self.lm_head
-                nn.init.normal_(m.weight, 0.0, out_std if small else std)
-            elif isinstance(m, nn.Embedding):
-                nn.init.normal_(m.weight, 0.0, std)
-            elif isinstance(m, (RMSNorm, NashAttention, HyperConnection, StreamCollapse)):
-                m.reset_parameters()
-        self.init_buffers()
+        if isinstance(m, nn.Linear) and not (m is self.lm_head and cfg.tie_embeddings):
+            small = name.endswith((".wo", ".w2")) or m is self.lm_head
+            nn.init.normal_(m.weight, 0.0, out_std if small else std)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, 0.0, std)
+        elif isinstance(m, (RMSNorm, NashAttention, HyperConnection, StreamCollapse)):
+            m.reset_parameters()
 
     @torch.no_grad()
     def init_buffers(self):

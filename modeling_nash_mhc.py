@@ -15,8 +15,14 @@ exactly as ``NashMHC.generate`` does, so greedy decoding gives the same tokens.
 from __future__ import annotations
 
 import torch
-from transformers import GenerationMixin, PreTrainedConfig, PreTrainedModel
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutput
+
+try:
+    from transformers import PreTrainedConfig
+except ImportError:  # transformers 4.x
+    from transformers import PretrainedConfig as PreTrainedConfig
 
 try:  # an exported directory: transformers imports this file from a package holding model.py
     from .model import ModelConfig, NashMHC
@@ -66,18 +72,49 @@ class NashMHCForCausalLM(PreTrainedModel, GenerationMixin):
         self.model = NashMHC(config.model_config())
         self.post_init()
 
+    supports_gradient_checkpointing = True
+
     @torch.no_grad()
     def _init_weights(self, module):
-        # NashMHC initialises its own parameters, and from_pretrained loads every one of them. What
-        # from_pretrained leaves uninitialised are the derived buffers, built on the meta device.
+        """transformers calls this for each module with parameters it did not load (from_pretrained
+        builds the model on the meta device): NashMHC's own initialisation of that module (a
+        ParameterList is its owner's), keeping any parameter of it that was loaded. The derived
+        buffers are rebuilt with NashMHC itself."""
         if isinstance(module, NashMHC):
             module.init_buffers()
+            return
+        names = {m: name for name, m in self.model.named_modules()}
+        if isinstance(module, nn.ParameterList):
+            module = next((m for m in names if any(c is module for c in m.children())), None)
+        if module not in names:
+            return
+        loaded = {p: p.detach().clone() for p in module.parameters() if getattr(p, "_is_hf_initialized", False)}
+        self.model.init_module(names[module], module)
+        for p, value in loaded.items():
+            p.copy_(value)
+
+    def _set_gradient_checkpointing(self, enable: bool = True, gradient_checkpointing_func=None, **kwargs):
+        """gradient_checkpointing_enable(): model.py's activation checkpointing of every block, with
+        transformers' checkpoint function when it gives one."""
+        self.model.config.activation_checkpointing = self.config.activation_checkpointing = enable
+        if enable and gradient_checkpointing_func is not None:
+            self.model.checkpoint_fn = gradient_checkpointing_func
 
     def get_input_embeddings(self):
         return self.model.tok_emb
 
+    def set_input_embeddings(self, value: nn.Embedding):
+        """resize_token_embeddings(): the new table, and the vocabulary size model.py reads."""
+        self.model.tok_emb = value
+        self.model.config.vocab_size = self.config.vocab_size = value.num_embeddings
+        if self.config.tie_embeddings:
+            self.model.lm_head.weight = value.weight
+
     def get_output_embeddings(self):
         return self.model.lm_head
+
+    def set_output_embeddings(self, value: nn.Linear):
+        self.model.lm_head = value
 
     def forward(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None,
                 labels: torch.LongTensor | None = None, **kwargs) -> CausalLMOutput:
@@ -108,8 +145,9 @@ class NashMHCForCausalLM(PreTrainedModel, GenerationMixin):
                         continue
                     start, stop = int(keep[0]), int(keep[-1]) + 1
                     if stop - start != keep.numel():
-                        raise ValueError("attention_mask must be one run of ones per row (padding on the left "
-                                         "or the right only)")
+                        # generate() after right padding: the next token would be read off a pad
+                        raise ValueError("attention_mask must be one run of ones per row; for generate(), pad "
+                                         "on the left (the exported tokenizer's padding_side)")
                     row = self.model(input_ids[b:b + 1, start:stop]).logits[0]
                     if logits is None:
                         logits = row.new_zeros(*input_ids.shape, row.shape[-1])

@@ -136,8 +136,10 @@ def test_nash_mhc_exports_with_remote_code(tmp_path, stdlib_data, arch, request)
     prompt = tokens(1, 40, seed=3)
     got = hf.generate(prompt, max_new_tokens=40, do_sample=False)
     assert until_eos(got[0, 40:].tolist(), 0) == until_eos(ours.generate(prompt, 40, temperature=0)[0, 40:].tolist(), 0)
-    # a left-padded batch: every row continues as it does alone
-    tok = AutoTokenizer.from_pretrained(out, padding_side="left")
+    # a padded batch: every row continues as it does alone. The export's tokenizer pads on the left
+    # (generate appends to the end of every row: after right padding it would read a pad's logits)
+    tok = AutoTokenizer.from_pretrained(out)
+    assert tok.padding_side == "left" and tok.model_max_length == 64
     texts = ["import os\nimport sys\n", "def main():\n    return"]
     batch = tok(texts, return_tensors="pt", padding=True)
     assert (batch["attention_mask"] == 0).any()
@@ -145,6 +147,62 @@ def test_nash_mhc_exports_with_remote_code(tmp_path, stdlib_data, arch, request)
     for i, text in enumerate(texts):
         alone = ours.generate(torch.tensor([tok(text)["input_ids"]]), 12, temperature=0)[0, -12:]
         assert until_eos(got[i, -12:].tolist(), 0) == until_eos(alone.tolist(), 0)
+    assert len(tok("x = 1\n" * 60, truncation=True)["input_ids"]) == 64
+
+
+def test_remote_code_model_in_transformers_workflows(tmp_path, nash_export):
+    """What transformers users do with a loaded model: a checkpoint missing some parameters (or a
+    config that adds some) gets model.py's initialisation for those and keeps the rest;
+    gradient_checkpointing_enable() recomputes the blocks (same loss and gradients);
+    resize_token_embeddings() grows the (tied) vocabulary."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    ours, out = nash_export
+    part = tmp_path / "part"
+    part.mkdir()
+    for f in out.iterdir():
+        (part / f.name).write_bytes(f.read_bytes())
+    weights = load_file(part / "model.safetensors")
+    dropped = ["model.blocks.0.attn.wq.weight", "model.blocks.1.attn.log_tau", "model.blocks.0.hc_ffn.b_res"]
+    save_file({k: v for k, v in weights.items() if k not in dropped}, part / "model.safetensors",
+              metadata={"format": "pt"})
+    hf = AutoModelForCausalLM.from_pretrained(part, trust_remote_code=True).eval()
+    fresh = NashMHC(ours.config)  # model.py's initialisation
+    got, want = hf.state_dict(), fresh.state_dict()
+    for key in dropped:
+        name = key[len("model."):]
+        if got[key].ndim == 2:
+            assert got[key].std().item() == pytest.approx(want[name].std().item(), rel=0.2)
+        else:
+            assert torch.equal(got[key], want[name])  # a constant initialisation
+    for name, value in ours.state_dict().items():  # the loaded parameters are the checkpoint's
+        if f"model.{name}" not in dropped:
+            assert torch.equal(got[f"model.{name}"], value), name
+    x = tokens(2, 40)
+    assert torch.isfinite(hf(x).logits).all()
+
+    hf = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).train()
+    grads = []
+    for checkpointing in (False, True):
+        if checkpointing:
+            hf.gradient_checkpointing_enable()
+            assert hf.model.config.activation_checkpointing
+        hf.zero_grad()
+        loss = hf(x, labels=x).loss
+        loss.backward()
+        grads.append((loss.detach(), [p.grad.clone() for p in hf.parameters()]))
+    assert torch.equal(grads[0][0], grads[1][0])
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads[0][1], grads[1][1]))
+
+    hf = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    hf.resize_token_embeddings(600)
+    assert hf.config.vocab_size == hf.model.config.vocab_size == 600
+    assert hf.model.lm_head.weight is hf.model.tok_emb.weight and hf.model.tok_emb.num_embeddings == 600
+    with torch.no_grad():
+        logits = hf(torch.cat([x, torch.full((2, 1), 599)], dim=1)).logits
+    assert logits.shape == (2, 41, 600)
+    assert (logits[:, :40, :512] - ours(x).logits).abs().max() <= 1e-4  # the old vocabulary as before
 
 
 def test_bf16_export(tmp_path, stdlib_data):
