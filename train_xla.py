@@ -169,14 +169,13 @@ def run(cfg) -> int:
                           "no checkpoint saved)", file=sys.stderr)
                     return 130
                 code = watch.failed if watch.failed is not None else 1
+                how = f"exit code {code} (its error is above)" if code > 0 else f"signal {-code} (killed)"
                 stopped = f"; {watch.killed} other(s) stopped after {watch.grace_s:g} s" if watch.killed else ""
-                print(f"train_xla.py: error: a worker process ended with "
-                      f"{f'exit code {code}' if code > 0 else f'signal {-code}'} (see above){stopped}",
-                      file=sys.stderr)
+                print(f"train_xla.py: error: a worker process ended with {how}{stopped}", file=sys.stderr)
                 return code if code > 0 else 1
             except TrainingExit:
                 raise
-            except Exception as e:  # a worker's own exception, pickled back: its traceback is printed
+            except Exception as e:  # from xmp.spawn's own code around the workers, pickled back
                 print(f"train_xla.py: error: a worker process failed ({type(e).__name__}: {first_line(e)}; "
                       "its traceback is above)", file=sys.stderr)
                 return 1

@@ -275,5 +275,5 @@ def test_a_failed_replica_stops_the_others(tmp_path, stdlib_data):
     assert r.returncode == 2, r.stderr[-3000:]
     assert "train_xla.py: error: [process 1] data: shard 3 is unreadable" in r.stderr
     # (the killed process may leave the pool's semaphores to the resource tracker, which warns after)
-    assert ("train_xla.py: error: a worker process ended with exit code 2 (see above); 1 other(s) "
+    assert ("train_xla.py: error: a worker process ended with exit code 2 (its error is above); 1 other(s) "
             "stopped after 1 s") in r.stderr.splitlines(), r.stderr[-3000:]
