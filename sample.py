@@ -16,12 +16,12 @@ from pathlib import Path
 import torch
 
 from model import NashMHC
-from training.checkpoint import CheckpointError, first_line, resolve_checkpoint
+from prepare_data import DataError, TokenizerSpec
+from training.checkpoint import CheckpointError, resolve_checkpoint
 from training.config import ConfigError
 from training.data import data_change_warning
 from training.hf import model_from_checkpoint
 
-EOS_TOKEN = "<|endoftext|>"  # prepare_data.py's document separator: where an empty prompt starts
 
 
 def load_model(path: Path, device: str) -> tuple[NashMHC, dict]:
@@ -49,8 +49,9 @@ def main(argv=None) -> int:
     ap.add_argument("--num-samples", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ignore-eos", action="store_true",
-                    help=f"print past {EOS_TOKEN}, the end of a document (default: a sample ends there, "
-                         "as transformers' generate ends an exported model's)")
+                    help="print past the tokenizer's end-of-text token (<|endoftext|> for prepare_data.py's "
+                         "own), the end of a document (default: a sample ends there, as transformers' "
+                         "generate ends an exported model's)")
     ap.add_argument("--tokenizer", type=Path, help="tokenizer.json, or a directory holding one "
                                                     "(default: the config's data.dir)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -74,7 +75,6 @@ def main(argv=None) -> int:
     except UnicodeEncodeError:  # bytes from the command line that are not UTF-8
         ap.error("--prompt: not valid UTF-8 text")
     try:
-        from tokenizers import Tokenizer
         model, ckpt = load_model(args.checkpoint, args.device)
         try:
             data_dir = Path(ckpt["config"]["data"]["dir"]).expanduser()
@@ -87,14 +87,13 @@ def main(argv=None) -> int:
             ckpt, data_dir, f"the tokenizer of {data_dir} may not be the model's (pass --tokenizer)")
         if changed:
             print(changed, file=sys.stderr)
-        if tok_path.is_dir():
-            tok_path = tok_path / "tokenizer.json"
-        if not tok_path.is_file():
+        if not (tok_path / "tokenizer.json" if tok_path.is_dir() else tok_path).is_file():
             raise FileNotFoundError(f"{tok_path}: tokenizer not found (pass --tokenizer)")
-        try:
-            tok = Tokenizer.from_file(str(tok_path))
-        except Exception as e:  # the Rust parser's error, or not UTF-8
-            raise FileNotFoundError(f"{tok_path}: not a tokenizers JSON file ({first_line(e)})") from None
+        try:  # prepare_data.py's reading: the end-of-text token from tokenizer_config.json beside it
+            spec = TokenizerSpec.load(str(tok_path))
+        except DataError as e:
+            raise FileNotFoundError(str(e).removeprefix("--tokenizer ")) from None
+        tok, eos = spec.tokenizer, spec.eos_id
         if tok.get_vocab_size() > model.config.vocab_size:
             raise FileNotFoundError(f"{tok_path}: {tok.get_vocab_size()} token ids, but the model has "
                                     f"{model.config.vocab_size} rows: not the tokenizer it was trained "
@@ -103,13 +102,14 @@ def main(argv=None) -> int:
         print(f"sample.py: error: {e}", file=sys.stderr)
         return 2
     torch.manual_seed(args.seed)
-    ids = tok.encode(args.prompt).ids or [tok.token_to_id(EOS_TOKEN) or 0]
+    # as prepare_data.py encodes a document (no BOS or other template tokens); an empty prompt starts
+    # where every document does, after an end of text
+    ids = tok.encode(args.prompt, add_special_tokens=False).ids or [eos]
     idx = torch.tensor([ids] * args.num_samples, dtype=torch.long, device=args.device)
     out = model.generate(idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None)
-    eos = tok.token_to_id(EOS_TOKEN)
     for i, row in enumerate(out.tolist()):
         new_ids = row[len(ids):]
-        if eos is not None and eos in new_ids and not args.ignore_eos:
+        if eos in new_ids and not args.ignore_eos:
             row = row[:len(ids) + new_ids.index(eos) + 1]
         print(f"----- sample {i + 1} -----")
         print(tok.decode(row, skip_special_tokens=False))

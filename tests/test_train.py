@@ -86,6 +86,19 @@ def test_trains_logs_and_checkpoints(tmp_path, stdlib_data):
         assert r.returncode == 0, r.stderr[-2000:]
         want = big.decode(prompt + tail, skip_special_tokens=False)
         assert r.stdout.split("----- sample 2 -----\n")[1] == want + "\n", (r.stdout, want)
+    # the end of text is the tokenizer's own (an imported one's eos_token in tokenizer_config.json,
+    # as prepare_data.py reads it), not always <|endoftext|>; an empty prompt starts from it
+    imported = tmp_path / "imported"
+    imported.mkdir()
+    (imported / "tokenizer.json").write_bytes((stdlib_data / "tokenizer.json").read_bytes())
+    (imported / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|pad|>"}))
+    pad = big.token_to_id("<|pad|>")
+    patch = ("import torch\nfrom model import NashMHC\nNashMHC.generate = lambda self, idx, n, **kw: "
+             f"torch.cat([idx, torch.tensor([[65, {eos}, {pad}, 67]] * len(idx))], 1)\n")
+    r = run_patched(tmp_path, patch, ["sample.py", tmp_path / "run", "--prompt", "", "--tokenizer", imported])
+    assert r.returncode == 0, r.stderr[-2000:]
+    want = big.decode([pad, 65, eos, pad], skip_special_tokens=False)
+    assert r.stdout.split("----- sample 2 -----\n")[1] == want + "\n", (r.stdout, want)
     # the data directory re-prepared since the checkpoint (meta.json differs): said
     atomic_torch_save(dict(ck, data={**ck["data"], "fingerprint": "0" * 64}), tmp_path / "moved.pt")
     r = run(["sample.py", str(tmp_path / "moved.pt"), "--max-new-tokens", "2"])
