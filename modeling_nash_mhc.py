@@ -73,6 +73,7 @@ class NashMHCForCausalLM(PreTrainedModel, GenerationMixin):
         self.post_init()
 
     supports_gradient_checkpointing = True
+    _supports_sdpa = True  # model.py's attention is torch's scaled_dot_product_attention
 
     @torch.no_grad()
     def _init_weights(self, module):
@@ -124,11 +125,20 @@ class NashMHCForCausalLM(PreTrainedModel, GenerationMixin):
         mask: right padding cannot change a causal model's earlier outputs, so right-padded (or
         unpadded) batches run as one; a batch with left padding runs row by row on each row's own
         tokens (positions then start at 0 as they do in training), and padded positions get
-        zero logits.
+        zero logits. What the model cannot give is an error, not ignored: ``inputs_embeds``, a
+        KV cache, hidden states, and ``position_ids`` other than each row's 0, 1, 2, ...
         """
         for name in ("inputs_embeds", "past_key_values"):
             if kwargs.get(name) is not None:
                 raise ValueError(f"NashMHCForCausalLM does not take {name}")
+        if kwargs.get("output_hidden_states") or kwargs.get("output_attentions"):
+            raise ValueError("NashMHCForCausalLM returns no hidden states or attentions (its residual is "
+                             "mhc_streams streams per layer; model.py's NashMHC.trunk gives the final one)")
+        position_ids = kwargs.get("position_ids")
+        if position_ids is not None and not torch.equal(
+                position_ids, torch.arange(input_ids.shape[1], device=position_ids.device).expand_as(position_ids)):
+            raise ValueError("NashMHCForCausalLM takes no position_ids: positions are 0, 1, 2, ... in each "
+                             "row's own tokens (packed sequences are not supported)")
         if attention_mask is None:
             logits = self.model(input_ids).logits
         else:
@@ -160,6 +170,8 @@ class NashMHCForCausalLM(PreTrainedModel, GenerationMixin):
             # divided by it, not a mean): without it, gradient accumulation would scale the loss.
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size,
                                       num_items_in_batch=kwargs.get("num_items_in_batch"))
+        if kwargs.get("return_dict") is False:
+            return (logits,) if loss is None else (loss, logits)
         return CausalLMOutput(loss=loss, logits=logits)
 
     def prepare_inputs_for_generation(self, input_ids, attention_mask=None, **kwargs):

@@ -154,7 +154,8 @@ def test_remote_code_model_in_transformers_workflows(tmp_path, nash_export):
     """What transformers users do with a loaded model: a checkpoint missing some parameters (or a
     config that adds some) gets model.py's initialisation for those and keeps the rest;
     gradient_checkpointing_enable() recomputes the blocks (same loss and gradients);
-    resize_token_embeddings() grows the (tied) vocabulary."""
+    resize_token_embeddings() grows the (tied) vocabulary; attn_implementation="sdpa" and
+    return_dict=False are taken, what the model cannot give is refused."""
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM
 
@@ -195,7 +196,13 @@ def test_remote_code_model_in_transformers_workflows(tmp_path, nash_export):
     assert torch.equal(grads[0][0], grads[1][0])
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads[0][1], grads[1][1]))
 
-    hf = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    hf = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, attn_implementation="sdpa").eval()
+    with torch.no_grad():
+        assert torch.equal(hf(x, return_dict=False)[0], hf(x).logits)
+        assert torch.equal(hf(x, position_ids=torch.arange(40).expand(2, 40)).logits, hf(x).logits)
+        for ignored in ({"output_hidden_states": True}, {"position_ids": torch.arange(1, 41).expand(2, 40)}):
+            with pytest.raises(ValueError, match="NashMHCForCausalLM"):  # an error, not silently ignored
+                hf(x, **ignored)
     hf.resize_token_embeddings(600)
     assert hf.config.vocab_size == hf.model.config.vocab_size == 600
     assert hf.model.lm_head.weight is hf.model.tok_emb.weight and hf.model.tok_emb.num_embeddings == 600
