@@ -1028,21 +1028,26 @@ class NashMHC(nn.Module):
         all of them). Runs in eval mode and restores the mode."""
         if top_k is not None and top_k < 1:
             raise ValueError(f"top_k={top_k}: expected at least 1, or None for all tokens")
+        if idx.shape[-1] == 0:
+            raise ValueError("generate needs at least one prompt token")
         was_training = self.training
         self.eval()
-        for _ in range(max_new_tokens):
-            x, _ = self.trunk(idx[:, -self.config.max_seq_len:])
-            logits = self.lm_head(x[:, -1]).float()
-            if temperature <= 0:
-                nxt = logits.argmax(dim=-1, keepdim=True)
-            else:
-                logits = logits / temperature
-                if top_k is not None:
-                    kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
-                    logits = logits.masked_fill(logits < kth, float("-inf"))
-                nxt = torch.multinomial(torch.softmax(logits, dim=-1), num_samples=1)
-            idx = torch.cat([idx, nxt], dim=1)
-        self.train(was_training)
+        try:
+            for _ in range(max_new_tokens):
+                x, _ = self.trunk(idx[:, -self.config.max_seq_len:])
+                logits = self.lm_head(x[:, -1]).float()
+                if temperature <= 0:
+                    nxt = logits.argmax(dim=-1, keepdim=True)
+                else:
+                    # shifted by the row maximum first: a tiny temperature is near-greedy, not inf - inf
+                    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
+                    if top_k is not None:
+                        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+                        logits = logits.masked_fill(logits < kth, float("-inf"))
+                    nxt = torch.multinomial(torch.softmax(logits, dim=-1), num_samples=1)
+                idx = torch.cat([idx, nxt], dim=1)
+        finally:
+            self.train(was_training)
         return idx
 
     # ------------------------------------------------------------------------------------------

@@ -73,6 +73,15 @@ def until_eos(row, eos):
     return row[:row.index(eos) + 1] if eos in row else row
 
 
+@pytest.mark.parametrize("name", ["demo_baseline.yaml", "small_gpu_baseline.yaml"])
+def test_the_shipped_baseline_configs_are_plain_llamas(name):
+    """The ablation baselines are the standard transformer (full causal attention: no window), so
+    they export as LlamaForCausalLM. They had a sliding window (64, 256) before."""
+    from training.config import load_config
+    from training.hf import llama_incompatibility
+    assert llama_incompatibility(load_config(ROOT / "configs" / name).model) is None
+
+
 def test_baseline_exports_as_plain_llama(tmp_path, stdlib_data, capsys):
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaForCausalLM
     from tokenizers import Tokenizer

@@ -589,6 +589,12 @@ def test_generate_gives_valid_ids_and_crops_the_context():
     assert m.training  # mode restored
     greedy = m.generate(prompt[:, :10], 4, temperature=0)
     assert torch.equal(greedy, m.generate(prompt[:, :10], 4, top_k=1))
+    assert torch.equal(greedy, m.generate(prompt[:, :10], 4, temperature=1e-40))  # near-greedy, not inf - inf
+    with pytest.raises(ValueError, match="at least one prompt token"):
+        m.generate(prompt[:, :0], 4)
+    with pytest.raises(IndexError):
+        m.generate(torch.full((1, 3), cfg.vocab_size), 2)  # an id past the vocabulary
+    assert m.training  # restored after an error too
 
 
 # -- names, parameter groups, accounting --------------------------------------------------------
