@@ -83,6 +83,9 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
+    for flag, value in (("--d-model", args.d_model), ("--layers", args.layers), ("--repeats", args.repeats)):
+        if value < 1:
+            ap.error(f"{flag} must be at least 1, got {value}")
     print(json.dumps(checkpoint_step_times(args.d_model, args.layers, args.repeats), indent=1))
     return 0
 

@@ -665,6 +665,18 @@ def main(argv=None) -> int:
     if (args.hlo or args.hlo_only) and any(v.startswith("root:") for v in args.variants):
         print("error: --hlo/--hlo-only count this checkout's variants; --hlo-root counts another's", file=sys.stderr)
         return 2
+    if args.hlo_root and not (args.hlo or args.hlo_only):
+        print("error: --hlo-root counts HLO lines: give it with --hlo or --hlo-only", file=sys.stderr)
+        return 2
+    if args.hlo_root:
+        missing = [f for f in ("model.py", "bench/xla.py") if not (Path(args.hlo_root) / f).is_file()]
+        if missing:
+            print(f"error: --hlo-root {args.hlo_root}: no {' or '.join(missing)} there", file=sys.stderr)
+            return 2
+    given = {a.split("=")[0] for a in (argv if argv is not None else sys.argv[1:]) if a.startswith("--loss-")}
+    if given - {"--loss-steps"} and not args.loss_steps:
+        print(f"error: {', '.join(sorted(given))} apply with --loss-steps N (the loss comparison)", file=sys.stderr)
+        return 2
     if min(args.batch, args.seq, args.repeats, args.threads) < 1 or args.warmup < 0:
         print("error: --batch, --seq, --repeats and --threads must be >= 1, --warmup >= 0", file=sys.stderr)
         return 2

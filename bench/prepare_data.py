@@ -115,6 +115,9 @@ def main() -> None:
     ap.add_argument("--tokenizer", help="use this tokenizer.json / directory instead of training one")
     ap.add_argument("--workdir", help="where to put the corpus copy (default: a temporary directory)")
     args = ap.parse_args()
+    for flag, value in (("--passes", args.passes), ("--repeats", args.repeats), ("--vocab-size", args.vocab_size)):
+        if value is not None and value < 1:
+            ap.error(f"{flag} must be at least 1, got {value}")
 
     from tokenizers import Tokenizer
     import tokenizers

@@ -1,12 +1,13 @@
 """Measurements of train_xla.py's XLA path that need a process of their own (PJRT on the CPU, or a
 TPU): bench/run.py's XLA section runs them and reads the JSON each prints last.
 
-    PJRT_DEVICE=CPU python bench/xla.py steps CONFIG [section.key=value ...] [--closures sync]
+    PJRT_DEVICE=CPU python bench/xla.py steps CONFIG [section.key=value ...] [--closures sync] [--steps N]
     PJRT_DEVICE=CPU python bench/xla.py accumulation CONFIG [...] --scheme gradient_accumulation
     PJRT_DEVICE=CPU python bench/xla.py compile CONFIG [section.key=value ...]
     PJRT_DEVICE=CPU python bench/xla.py optimizer CONFIG [section.key=value ...] [--steps N]
 
-steps     the real Trainer (training/loop.py) with the XLA backend, each step's host-side time
+steps     the real Trainer (training/loop.py) with the XLA backend (a run of its own, in a temporary
+          directory unless an override names checkpoint.dir), each step's host-side time
           (from one train_step call to the next): log steps against the others, and device-to-host
           transfers per log line. ``--closures sync`` forces torch_xla's synchronous step closures
           (what train_xla.py used before: the loop waits for the step's values at a log step), for
@@ -30,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -38,7 +40,7 @@ if sys.path and Path(sys.path[0] or ".").resolve() == ROOT / "bench":
     sys.path[0] = str(ROOT)  # model.py, not bench/model.py
 
 
-def step_times(config: str, overrides: list[str], closures: str) -> dict:
+def step_times(config: str, overrides: list[str], closures: str, steps: int | None, run_dir: str) -> dict:
     import torch_xla.core.xla_model as xm
     import torch_xla.debug.metrics as met
 
@@ -49,7 +51,11 @@ def step_times(config: str, overrides: list[str], closures: str) -> dict:
     if closures == "sync":  # the loop waits for each log line's values, as before issue 12
         add = xm.add_step_closure
         xm.add_step_closure = lambda fn, args=(), run_async=False: add(fn, args, run_async=False)
-    cfg = load_config(config, overrides)
+    # a run of its own: never the config's checkpoint.dir (its run would be resumed and trained on)
+    # unless the overrides name one; --steps, when given, is the run's length
+    own = [f"checkpoint.dir={run_dir}", "checkpoint.resume=none", "checkpoint.interval=0"]
+    length = [f"training.max_steps={steps}", "training.total_tokens=null"] if steps is not None else []
+    cfg = load_config(config, [*own, *overrides, *length])
     trainer = Trainer(cfg, XLABackend(cfg))
     starts, step_fn = [], trainer.train_step
 
@@ -218,16 +224,25 @@ def main(argv=None) -> int:
     p.add_argument("overrides", nargs="*")
     p.add_argument("--closures", choices=("async", "sync"), default="async")
     p.add_argument("--scheme", choices=("before", "train_xla", "gradient_accumulation"), default="train_xla")
-    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--steps", type=int, help="steps: the run's length (default: the config's); accumulation, "
+                                              "optimizer: rounds (default 12)")
     args = p.parse_args(argv)
-    if args.what == "steps":
-        res = step_times(args.config, args.overrides, args.closures)
-    elif args.what == "accumulation":
-        res = accumulation(args.config, args.overrides, args.scheme, args.steps)
-    elif args.what == "optimizer":
-        res = optimizer_times(args.config, args.overrides, args.steps)
-    else:
-        res = compile_graph(args.config, args.overrides)
+    if args.steps is not None and args.steps < 1:
+        p.error(f"--steps must be at least 1, got {args.steps}")
+    from training.config import ConfigError
+    try:
+        if args.what == "steps":
+            with tempfile.TemporaryDirectory(prefix="bench-xla-steps-") as run_dir:
+                res = step_times(args.config, args.overrides, args.closures, args.steps, run_dir)
+        elif args.what == "accumulation":
+            res = accumulation(args.config, args.overrides, args.scheme, args.steps or 12)
+        elif args.what == "optimizer":
+            res = optimizer_times(args.config, args.overrides, args.steps or 12)
+        else:
+            res = compile_graph(args.config, args.overrides)
+    except ConfigError as e:  # a config or an override: one line
+        print(f"xla.py: error: {e}", file=sys.stderr)
+        return 2
     print("RESULT " + json.dumps(res), flush=True)
     return 0
 
