@@ -304,8 +304,16 @@ def test_plan_bad_input_is_one_line_and_exit_2(capsys, argv, message):
 
 
 def test_plan_options_without_plan_are_refused(capsys):
-    code, _, err = plan_main(capsys, ROOT / "configs" / "demo.yaml", "--device-kind", "v4")
-    assert code == 2 and "--device-kind is a --plan option" in err
+    for flag, value in (("--device-kind", "v4"), ("--mfu", "0.5"), ("--margin", "0.2")):
+        code, _, err = plan_main(capsys, ROOT / "configs" / "demo.yaml", flag, value)
+        assert code == 2 and f"{flag} is a --plan option" in err
+
+
+def test_an_unknown_flag_is_one_line_not_the_usage(capsys):
+    with pytest.raises(SystemExit) as e:
+        plan_main(capsys, ROOT / "configs" / "demo.yaml", "--plan", "--bogus")
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err == "train_xla.py: error: unrecognized arguments: --bogus (see --help)\n"
 
 
 CONFIG_TARGETS = {  # config -> (entry, device kinds it is meant for)
@@ -348,6 +356,16 @@ def test_readme_slice_table_fits_as_stated():
         assert m.data * m.fsdp * m.tp == int(chips), (kind, overrides)
         plan, _ = P.make_plan(cfg, "xla", P.device_for(kind, "xla"))
         assert plan.fits, (kind, overrides, plan.peak / P.GiB)
+
+
+def test_readme_tpu_command_for_small_gpu_fits_one_v6e_chip():
+    """The README's one-host TPU line for small_gpu (v6e-1 in the slice table), as written."""
+    readme = (ROOT / "README.md").read_text()
+    line = next(ln for ln in readme.splitlines() if ln.startswith("python train_xla.py configs/small_gpu.yaml"))
+    overrides = line.split("#")[0].split()[3:]
+    plan, _ = P.make_plan(load_config(ROOT / "configs" / "small_gpu.yaml", overrides), "xla",
+                          P.device_for("v6e", "xla"))
+    assert plan.fits, (overrides, plan.peak / P.GiB)
 
 
 def test_readme_shows_the_current_plan_of_the_3b_config(capsys, monkeypatch):

@@ -537,22 +537,29 @@ def main(argv: list[str] | None, make_backend, prog: str, entry: str = "torch") 
                       help="print per-chip memory by part and the time to the token budget, then exit: "
                            "0 if it fits, 1 if not")
     plan.add_argument("--device-kind", help="v6e, v5p, v5e, v4 (train_xla.py); h100, h200, a100, "
-                                            "a100-40 (train.py); cpu (default: the accelerator here)")
-    plan.add_argument("--mfu", default="0.4", help="assumed model FLOPs utilisation (default 0.4)")
+                                            "a100-40 (train.py); cpu (default: the accelerator here, else cpu)")
+    plan.add_argument("--mfu", help="assumed model FLOPs utilisation (default 0.4)")
     plan.add_argument("--world-size", help="replicas in ddp mode: default WORLD_SIZE or 1 for train.py; "
                       "xla.nprocs, else the TPU slice's chips, else 1 for train_xla.py")
-    plan.add_argument("--margin", default="0.1", help="share of the chip's memory kept free (default 0.1)")
+    plan.add_argument("--margin", help="share of the chip's memory kept free (default 0.1)")
     plan.add_argument("--usd-per-chip-hour", help="price, to turn chip-hours into dollars")
+
+    def one_line_error(message: str):  # argparse prints its usage first: a bad flag is one line here too
+        print(f"{prog}: error: {message} (see --help)", file=sys.stderr)
+        sys.exit(2)
+
+    parser.error = one_line_error
     args = parser.parse_intermixed_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
         if args.plan:
             from .plan import run_plan
-            return run_plan(cfg, entry, args.config, args.device_kind, _number(args.mfu, "--mfu", 0, 1),
+            return run_plan(cfg, entry, args.config, args.device_kind, _number(args.mfu or "0.4", "--mfu", 0, 1),
                             _number(args.world_size, "--world-size", 0, None, int),
                             _number(args.usd_per_chip_hour, "--usd-per-chip-hour", 0, None),
-                            _number(args.margin, "--margin", 0, 1, lo_open=False))
-        extra = [f for f in ("device_kind", "world_size", "usd_per_chip_hour") if getattr(args, f) is not None]
+                            _number(args.margin or "0.1", "--margin", 0, 1, lo_open=False))
+        extra = [f for f in ("device_kind", "mfu", "world_size", "margin", "usd_per_chip_hour")
+                 if getattr(args, f) is not None]
         if extra:
             raise ConfigError(f"--{extra[0].replace('_', '-')} is a --plan option")
         check_data(cfg)

@@ -112,7 +112,7 @@ def device_for(kind: Optional[str], entry: str) -> Device:
 
 
 def _present_device_kind(entry: str) -> str:
-    """The kind of accelerator on this machine (a CUDA GPU, or the TPU VM's accelerator type)."""
+    """The kind of accelerator on this machine (a CUDA GPU, or the TPU VM's accelerator type), else cpu."""
     if entry == "torch" and torch.cuda.is_available():
         name = torch.cuda.get_device_name(0)
         for kind in ("h200", "h100", "a100"):
@@ -128,8 +128,7 @@ def _present_device_kind(entry: str) -> str:
             if kind:
                 return kind
             raise ConfigError(f"TPU accelerator type {accel!r} is not one the planner knows: pass --device-kind")
-    raise ConfigError("no known accelerator on this machine: pass --device-kind "
-                      f"({', '.join(DEVICES)})")
+    return "cpu"  # as training.device auto falls back to it
 
 
 def tpu_generation(accelerator_type: str) -> Optional[str]:
