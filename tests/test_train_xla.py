@@ -277,3 +277,11 @@ def test_a_failed_replica_stops_the_others(tmp_path, stdlib_data):
     # (the killed process may leave the pool's semaphores to the resource tracker, which warns after)
     assert ("train_xla.py: error: a worker process ended with exit code 2 (its error is above); 1 other(s) "
             "stopped after 1 s") in r.stderr.splitlines(), r.stderr[-3000:]
+
+
+def test_what_the_backend_cannot_run_is_refused_once_before_spawning(tmp_path, stdlib_data):
+    """scan_layers with dropout: one line from the launcher (it came from every worker, and then
+    once more as the launcher's report of their exit)."""
+    r = run(["train_xla.py", str(tiny_config(tmp_path, stdlib_data)), "xla.scan_layers=true", "model.dropout=0.1"])
+    errors = [ln for ln in r.stderr.splitlines() if "error:" in ln]
+    assert r.returncode == 2 and len(errors) == 1 and "model.dropout=0.1" in errors[0], r.stderr[-3000:]

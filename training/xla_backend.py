@@ -353,13 +353,18 @@ class _DeviceBatches:
 class XLABackend(Backend):
     name = "xla"
 
-    def __init__(self, cfg):
+    @staticmethod
+    def check_config(cfg) -> None:
+        """What this backend cannot run, as a ConfigError: the launcher calls it before spawning."""
         if cfg.xla.scan_layers and cfg.model.dropout > 0:
             # torch_xla 2.9's scan cannot carry the body's random masks: it fails while lowering
             # the loop ("Dynamic update slice ... PRED vs F32"), after a minute of tracing
             raise ConfigError(f"xla.scan_layers=true with model.dropout={cfg.model.dropout}: torch_xla's "
                               "scan cannot run dropout inside the scanned blocks; set model.dropout=0 "
                               "or xla.scan_layers=false")
+
+    def __init__(self, cfg):
+        self.check_config(cfg)
         self.cfg = cfg
         self.spmd = cfg.xla.mode == "spmd"
         self.mesh = None
