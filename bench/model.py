@@ -39,6 +39,12 @@ compiled again (inductor's in-process code cache), so every variant after the fi
 faster than alone. The compile backend therefore measures each variant's warm-up again in a
 worker of its own (fresh cache, after the tiny model): "warm-up" is that figure.
 
+torch.compile's warm-up by phase (--compile-split, instead of the timing): each variant alone in
+a fresh process and inductor cache with TORCHINDUCTOR_COMPILE_THREADS=1, so every C++ compiler call
+(one per kernel) runs in the process and is timed; the rest by Dynamo's phase timers
+(torch._dynamo.utils.compilation_time_metrics: tracing, AOT joint graph, partition, lowering,
+scheduler, code generation). Serial, so longer than the two-thread warm-up of the timing run.
+
 HLO lines per layer (--hlo, --hlo-only): bench/xla.py's ``compile`` (the training
 step's model graph, forward + backward, as the XLA backend builds it, unrolled) in a fresh process
 at 1 and at 2 layers; the difference is what one more block adds to the graph XLA compiles.
@@ -343,18 +349,80 @@ def backend_worker(args) -> dict:
     tiny = argparse.Namespace(**{**vars(args), "d_model": 32, "n_heads": 2, "n_kv_heads": 2, "n_layers": 1,
                                  "batch": 1, "seq": 64, "vocab": 64, "window": 16})
     make("baseline", tiny)[0]()
+    gcc = gcc_timer() if args.compile_split else None
     steps, results = {}, {}
     for v in args.variants:
         step, params = make(v)
+        if gcc is not None:
+            gcc.clear()
         t0 = time.perf_counter()
         step()
         results[v] = {"params": params, "warmup_s": time.perf_counter() - t0}
+        if gcc is not None:
+            results[v]["split"] = gcc.split()
         steps[v] = step
     if not args.warmup_only:
         for v, r in interleaved(steps, args.warmup, args.repeats).items():
             results[v].update(r)
     out["results"] = results
     return out
+
+
+# torch.compile's warm-up by phase (--compile-split): Dynamo's own timers, and every C++ compiler
+# call timed (inductor's one per kernel, in this process when compile_threads is 1)
+PHASES = {"dynamo": "bytecode_tracing", "aot joint graph": "aot_trace_joint_graph",
+          "partition": "min_cut_rematerialization_partition", "lowering": "GraphLowering.run",
+          "scheduler": "Scheduler.__init__", "codegen": "Scheduler.codegen"}
+
+
+class gcc_timer:
+    """Times inductor's C++ compiler calls (``cpp_builder._run_compile_cmd``), and reads Dynamo's
+    phase timers (``torch._dynamo.utils.compilation_time_metrics``); ``clear`` starts afresh."""
+
+    def __init__(self):
+        import torch._inductor.cpp_builder as cb
+
+        self.calls: list[float] = []
+        run = cb._run_compile_cmd
+
+        def timed(cmd, cwd):
+            t0 = time.perf_counter()
+            run(cmd, cwd)
+            self.calls.append(time.perf_counter() - t0)
+
+        cb._run_compile_cmd = timed
+
+    def clear(self) -> None:
+        import torch._dynamo.utils as du
+
+        self.calls.clear()
+        du.compilation_time_metrics.clear()
+
+    def split(self) -> dict:
+        import torch._dynamo.utils as du
+
+        times = {k: sum(v) for k, v in du.compilation_time_metrics.items()}
+        return {"gcc_calls": len(self.calls), "gcc_s": sum(self.calls),
+                **{name: times.get(key, 0.0) for name, key in PHASES.items()}}
+
+
+def compile_split(args) -> dict:
+    """--compile-split: each variant's torch.compile warm-up alone, in a process of its own with a
+    fresh inductor cache and one compile thread (so the C++ compiler's calls are serial and counted)."""
+    return {v: run_worker(args, "compile", [f"--variants={v}", "--warmup-only", "--compile-split"],
+                          {"TORCHINDUCTOR_COMPILE_THREADS": "1"})["results"][v] for v in args.variants}
+
+
+def render_split(split: dict) -> str:
+    L = ["torch.compile warm-up by phase (each variant alone, fresh cache, 1 compile thread: the C++ "
+         "compiler's calls serial):", "",
+         "| variant | warm-up | C++ compiler | calls | rest | " + " | ".join(PHASES) + " |",
+         "|---|" + "---:|" * (4 + len(PHASES))]
+    for v, r in split.items():
+        x = r["split"]
+        L.append(f"| {v} | {r['warmup_s']:.1f} s | {x['gcc_s']:.1f} s | {x['gcc_calls']} | "
+                 f"{r['warmup_s'] - x['gcc_s']:.1f} s | " + " | ".join(f"{x[k]:.2f}" for k in PHASES) + " |")
+    return "\n".join(L)
 
 
 def run_backend(args, backend: str) -> dict:
@@ -369,9 +437,9 @@ def run_backend(args, backend: str) -> dict:
     return out
 
 
-def run_worker(args, backend: str, extra=()) -> dict:
+def run_worker(args, backend: str, extra=(), env_extra=None) -> dict:
     cmd = [sys.executable, __file__, "--worker", backend, *forwarded(args), *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), **(env_extra or {})}
     cache = None
     if backend == "compile":
         cache = tempfile.mkdtemp(prefix="bench-inductor-")
@@ -648,6 +716,9 @@ def main(argv=None) -> int:
     p.add_argument("--tuned-malloc", action="store_true",
                    help="time with glibc malloc keeping freed memory (see tune_glibc_malloc)")
     p.add_argument("--profile", action="store_true", help="also print torch.profiler's top ops for eager nash-mhc")
+    p.add_argument("--compile-split", action="store_true",
+                   help="only torch.compile's warm-up of each variant, split by phase (C++ compiler, Dynamo, "
+                        "AOT, lowering, scheduler, code generation)")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument("--worker", choices=BACKENDS, help=argparse.SUPPRESS)
     p.add_argument("--warmup-only", action="store_true", help=argparse.SUPPRESS)
@@ -704,6 +775,12 @@ def main(argv=None) -> int:
         return 0
 
     load0 = os.getloadavg()[0]
+    if args.compile_split:
+        split = compile_split(args)
+        print(render_split(split) + f"\n\nload average {load0:.2f} -> {os.getloadavg()[0]:.2f}")
+        if args.json:
+            write_json(args.json, split)
+        return 0
     if args.loss_steps:
         res = loss_comparison(args)
         print(f"{res['steps']} training steps of the demo-shaped model (eager, seed {res['seed']}, batch {res['batch']} x seq "
