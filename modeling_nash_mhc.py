@@ -66,14 +66,13 @@ class NashMHCForCausalLM(PreTrainedModel, GenerationMixin):
     base_model_prefix = "model"
     _no_split_modules = ["Block"]
     _tied_weights_keys = {"model.lm_head.weight": "model.tok_emb.weight"}  # when tie_embeddings
+    supports_gradient_checkpointing = True
+    _supports_sdpa = True  # model.py's attention is torch's scaled_dot_product_attention
 
     def __init__(self, config: NashMHCConfig):
         super().__init__(config)
         self.model = NashMHC(config.model_config())
         self.post_init()
-
-    supports_gradient_checkpointing = True
-    _supports_sdpa = True  # model.py's attention is torch's scaled_dot_product_attention
 
     @torch.no_grad()
     def _init_weights(self, module):
