@@ -94,8 +94,8 @@ class NashMHCForCausalLM(PreTrainedModel, GenerationMixin):
             p.copy_(value)
 
     def _set_gradient_checkpointing(self, enable: bool = True, gradient_checkpointing_func=None, **kwargs):
-        """gradient_checkpointing_enable(): model.py's activation checkpointing of every block, with
-        transformers' checkpoint function when it gives one."""
+        """activation_checkpointing_enable() (4.x: gradient_checkpointing_enable()): model.py's
+        activation checkpointing of every block, with transformers' checkpoint function."""
         self.model.config.activation_checkpointing = self.config.activation_checkpointing = enable
         if enable and gradient_checkpointing_func is not None:
             self.model.checkpoint_fn = gradient_checkpointing_func

@@ -162,7 +162,7 @@ def test_nash_mhc_exports_with_remote_code(tmp_path, stdlib_data, arch, request)
 def test_remote_code_model_in_transformers_workflows(tmp_path, nash_export):
     """What transformers users do with a loaded model: a checkpoint missing some parameters (or a
     config that adds some) gets model.py's initialisation for those and keeps the rest;
-    gradient_checkpointing_enable() recomputes the blocks (same loss and gradients);
+    activation_checkpointing_enable() recomputes the blocks (same loss and gradients);
     resize_token_embeddings() grows the (tied) vocabulary; attn_implementation="sdpa" and
     return_dict=False are taken, what the model cannot give is refused."""
     from safetensors.torch import load_file, save_file
@@ -195,8 +195,8 @@ def test_remote_code_model_in_transformers_workflows(tmp_path, nash_export):
     hf = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).train()
     grads = []
     for checkpointing in (False, True):
-        if checkpointing:
-            hf.gradient_checkpointing_enable()
+        if checkpointing:  # transformers 5.x's name (gradient_checkpointing_enable, deprecated, calls the same)
+            hf.activation_checkpointing_enable()
             assert hf.model.config.activation_checkpointing
         hf.zero_grad()
         loss = hf(x, labels=x).loss
