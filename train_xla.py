@@ -150,13 +150,8 @@ class _PeerWatch(threading.Thread):
 
 def run(cfg) -> int:
     _default_pjrt_device()
-    from training.config import ConfigError
     from training.xla_backend import XLABackend
-    try:
-        XLABackend.check_config(cfg)  # once, here, not in every spawned worker
-    except ConfigError as e:
-        print(f"train_xla.py: error: {e}", file=sys.stderr)
-        return 2
+    XLABackend.check_config(cfg)  # once, here, not in every spawned worker (main says a ConfigError)
     if cfg.xla.mode != "spmd":
         import torch_xla.distributed.xla_multiprocessing as xmp
     try:
