@@ -240,14 +240,20 @@ class NoDevice:
     def shutdown(self):
         pass
 
+READY = {ready!r}  # replica 0 has its stop handlers: replica 1 fails only then (the pool's SIGTERM
+                  # would otherwise end a replica still starting up, and there would be none to stop)
+
 def replica(index, cfg):
-    import training.xla_backend
+    import os, training.xla_backend
     from training.loop import STOP
     STOP.install()  # as train_xla.py's workers: SIGTERM asks for a stop, it does not end the process
     training.xla_backend.XLABackend = NoDevice
     def train(cfg, backend):
         if index == 1:
+            while not os.path.exists(READY):
+                time.sleep(0.05)
             raise ValueError("data: shard 3 is unreadable")
+        open(READY, "w").close()
         time.sleep(600)
     train_xla.train = train
     train_xla._worker(index, cfg)
@@ -269,7 +275,8 @@ def test_a_failed_replica_stops_the_others(tmp_path, stdlib_data):
     wait for it: before, its error went back to the pool, which reports nothing until every
     replica has returned, and the others waited in a collective for ever (this run timed out)."""
     script = tmp_path / "peer_fails.py"
-    script.write_text(PEER_FAILS.format(root=str(ROOT), cfg=str(tiny_config(tmp_path, stdlib_data))))
+    script.write_text(PEER_FAILS.format(root=str(ROOT), cfg=str(tiny_config(tmp_path, stdlib_data)),
+                                        ready=str(tmp_path / "replica0.ready")))
     r = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=ENV, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 2, r.stderr[-3000:]
