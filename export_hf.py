@@ -7,8 +7,9 @@
 
 Export: CHECKPOINT is a ckpt_*.pt file, a sharded checkpoint directory, or a run directory (its
 newest checkpoint that loads). OUT_DIR gets model.safetensors (shards and
-model.safetensors.index.json above --max-shard-size), config.json, generation_config.json and the
-tokenizer files of the run's data directory.
+model.safetensors.index.json above --max-shard-size), config.json, generation_config.json, the
+tokenizer files of the run's data directory and a model card (README.md: the architecture, the
+training run, how to load it).
   - The baseline architecture (1 mHC stream, 1 attention scale, no window) is a plain
     LlamaForCausalLM: AutoModelForCausalLM.from_pretrained(OUT_DIR), vLLM and friends load it.
   - Every other architecture is NashMHCForCausalLM, remote code: OUT_DIR holds
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import re
 import secrets
@@ -75,6 +77,92 @@ def export_tokenizer_files(hf_files: dict[str, bytes], max_seq_len: int) -> dict
     return files
 
 
+def validation_loss(where: Path, step) -> float | None:
+    """The validation loss logged at ``step`` in the metrics.jsonl of the checkpoint's run
+    directory, if that file is there and has it (a moved checkpoint has none)."""
+    path = where.parent / "metrics.jsonl"
+    found = None
+    try:
+        with path.open() as f:
+            for line in f:
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue  # a line cut by a kill
+                if isinstance(rec, dict) and rec.get("step") == step and isinstance(rec.get("eval_loss"), (int, float)):
+                    found = float(rec["eval_loss"])
+    except OSError:
+        return None
+    return found
+
+
+def model_card(name: str, model, ckpt: dict, where: Path, why_remote: str | None, rows: int, dtype: str) -> str:
+    """README.md of an export: the Hub's metadata (huggingface_hub's ModelCardData) and what a
+    reader needs: what the model is, what it was trained on and how far, and how to load it."""
+    from huggingface_hub import ModelCardData
+
+    cfg, stored = model.config, ckpt.get("config") or {}
+    data, training = stored.get("data") or {}, stored.get("training") or {}
+    step, tokens = ckpt.get("step"), ckpt.get("tokens_seen")
+    llama = why_remote is None
+    meta = ModelCardData(library_name="transformers", pipeline_tag="text-generation",
+                         tags=["llama"] if llama else ["nash-mhc", "custom_code"])
+    if llama:
+        kind = "A Llama-architecture transformer (the Nash-MHC toolkit's baseline: one residual stream, full causal attention)"
+        load = f'AutoModelForCausalLM.from_pretrained("{name}")'
+        code = "It loads as `LlamaForCausalLM`, without remote code."
+    else:
+        kind = "A Nash-MHC transformer"
+        load = f'AutoModelForCausalLM.from_pretrained("{name}", trust_remote_code=True)'
+        code = ("It loads with remote code: `modeling_nash_mhc.py` and `model.py` in this directory "
+                f"(read them before `trust_remote_code=True`; not a Llama because {why_remote}).")
+    residual = ("one residual stream" if cfg.mhc_streams == 1 else
+                f"{cfg.mhc_streams} mHC residual streams ({'mHC-lite' if cfg.mhc_lite else 'Sinkhorn'} mixing)")
+    attention = ("full causal attention" if cfg.nash_scales == 1 and not cfg.nash_window else
+                 f"{cfg.nash_scales} attention scale(s) (compression {cfg.nash_compression}, window "
+                 f"{cfg.nash_window or 'none'}, {cfg.aggregation} fusion)")
+    loss = validation_loss(where, step)
+    rows_note = f" ({rows - cfg.vocab_size} padding rows past the model's {cfg.vocab_size})" if rows > cfg.vocab_size else ""
+    lines = [
+        f"# {name}", "",
+        f"{kind}, {model.num_params() / 1e6:.2f}M parameters, exported from `{where.name}` at step {step}"
+        + (f" ({tokens:,} training tokens)." if isinstance(tokens, int) else "."), "",
+        "## Use", "",
+        "```python",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        "",
+        f'tok = AutoTokenizer.from_pretrained("{name}")',
+        f"model = {load}",
+        'out = model.generate(**tok(["def main():"], return_tensors="pt"), max_new_tokens=32)',
+        "print(tok.decode(out[0]))",
+        "```", "",
+        f"{code} The tokenizer pads on the left (for batched `generate`) and truncates at "
+        f"{cfg.max_seq_len} tokens, the longest context the model was built for.", "",
+        "## Architecture", "",
+        "| | |", "|---|---|",
+        f"| layers | {cfg.n_layers} |",
+        f"| width | {cfg.d_model} (feed-forward {cfg.ffn_hidden}, SwiGLU) |",
+        f"| heads | {cfg.n_heads} query, {cfg.n_kv_heads} key/value, {cfg.head_dim} each, RoPE theta {cfg.rope_theta:g} |",
+        f"| residual | {residual} |",
+        f"| attention | {attention} |",
+        f"| vocabulary | {rows}{rows_note}, embeddings {'tied' if cfg.tie_embeddings else 'untied'} |",
+        f"| context | {cfg.max_seq_len} tokens |",
+        f"| weights | {dtype} |", "",
+        "## Training", "",
+        f"- data: `{Path(str(data.get('dir', '?'))).name}` (prepare_data.py shards), windows of "
+        f"{data.get('seq_len', '?')} tokens",
+        f"- optimiser: {training.get('optimizer', '?')}, peak learning rate {training.get('learning_rate', '?')}, "
+        f"{training.get('precision', '?')} precision",
+        f"- step {step}" + (f", {tokens:,} tokens" if isinstance(tokens, int) else "")
+        + (f"; validation loss {loss:.4f} at this step (perplexity {math.exp(min(loss, 50.0)):.2f})"
+           if loss is not None else ""), "",
+        "## Limitations", "",
+        "A pre-training checkpoint, evaluated only by its loss on held-out text of its training "
+        "corpus: no instruction tuning, no safety filtering; what it writes reflects that data.", "",
+    ]
+    return f"---\n{meta.to_yaml()}\n---\n\n" + "\n".join(lines)
+
+
 def say(msg: str) -> None:
     print(f"{PROG}: {msg}", file=sys.stderr, flush=True)
 
@@ -85,7 +173,7 @@ def say(msg: str) -> None:
 
 # What an export writes: transformers' config, generation config and weights (one file or shards
 # and their index), the tokenizer files, and the remote code
-EXPORT_FILES = re.compile(r"config\.json|generation_config\.json|model(-\d{5}-of-\d{5})?\.safetensors|"
+EXPORT_FILES = re.compile(r"README\.md|config\.json|generation_config\.json|model(-\d{5}-of-\d{5})?\.safetensors|"
                           r"model\.safetensors\.index\.json|"
                           + "|".join(re.escape(name) for name in (*TOKENIZER_FILES, *REMOTE_CODE)))
 
@@ -204,6 +292,7 @@ def export(args) -> str:
     for line in vocab_lines:
         say(line)
     step = ckpt.get("step")
+    card = model_card(out.name, model, ckpt, where, why_remote, rows, args.dtype)
     del ckpt
 
     from transformers import LlamaForCausalLM
@@ -222,6 +311,7 @@ def export(args) -> str:
         shutil.copyfile(tok_dir / "tokenizer.json", staging / "tokenizer.json")
         for name, data in export_tokenizer_files(spec.hf_files, model.config.max_seq_len).items():
             (staging / name).write_bytes(data)
+        (staging / "README.md").write_text(card)
         if why_remote is not None:
             for name in REMOTE_CODE:
                 shutil.copyfile(ROOT / name, staging / name)

@@ -226,14 +226,21 @@ def main(argv=None) -> int:
     p.add_argument("--scheme", choices=("before", "train_xla", "gradient_accumulation"), default="train_xla")
     p.add_argument("--steps", type=int, help="steps: the run's length (default: the config's); accumulation, "
                                               "optimizer: rounds (default 12)")
+    p.add_argument("--run-dir", help="steps: where the run writes its checkpoint, metrics.jsonl and xla_metrics.json "
+                                     "(default: a temporary directory, removed at the end)")
     args = p.parse_args(argv)
     if args.steps is not None and args.steps < 1:
         p.error(f"--steps must be at least 1, got {args.steps}")
     from training.config import ConfigError
     try:
         if args.what == "steps":
-            with tempfile.TemporaryDirectory(prefix="bench-xla-steps-") as run_dir:
-                res = step_times(args.config, args.overrides, args.closures, args.steps, run_dir)
+            if args.run_dir is not None:
+                res = step_times(args.config, args.overrides, args.closures, args.steps, args.run_dir)
+            else:
+                with tempfile.TemporaryDirectory(prefix="bench-xla-steps-") as run_dir:
+                    res = step_times(args.config, args.overrides, args.closures, args.steps, run_dir)
+                print(f"xla.py: {run_dir} (the run's files, named above) is removed: --run-dir DIR keeps them",
+                      file=sys.stderr)
         elif args.what == "accumulation":
             res = accumulation(args.config, args.overrides, args.scheme, args.steps or 12)
         elif args.what == "optimizer":

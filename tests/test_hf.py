@@ -89,6 +89,8 @@ def test_baseline_exports_as_plain_llama(tmp_path, stdlib_data, capsys):
     ours = make_run(tmp_path / "run", stdlib_data, step=5, **BASELINE)
     newest = make_run(tmp_path / "run", stdlib_data, step=7, seed=1, rope_theta=50000.0, **BASELINE)
     (tmp_path / "run" / "ckpt_00000009.pt").write_bytes(b"truncated")  # newest file, corrupt: skipped
+    (tmp_path / "run" / "metrics.jsonl").write_text(
+        '{"step": 5, "loss": 4.0, "eval_loss": 3.5}\n{"step": 7, "loss": 3.0, "eval_loss": 3.25}\n{"step": 7, "lo')
     out = tmp_path / "hf"
     assert export(tmp_path / "run", out, "--max-shard-size", "150KB") == 0
     err = capsys.readouterr().err
@@ -117,6 +119,19 @@ def test_baseline_exports_as_plain_llama(tmp_path, stdlib_data, capsys):
     gen = GenerationConfig.from_pretrained(out)
     assert tok.eos_token_id == config["eos_token_id"] == gen.eos_token_id == meta["eos_id"]
     assert tok.pad_token_id == config["pad_token_id"] == gen.pad_token_id == meta["pad_id"]
+    check_model_card(out, remote=False, step=7, val_loss="3.2500")
+
+
+def check_model_card(out, remote: bool, step: int, val_loss: str | None = None):
+    """README.md is a model card the Hub reads (huggingface_hub parses its metadata) and says how
+    to load the export, with trust_remote_code exactly when it needs it."""
+    from huggingface_hub import ModelCard
+
+    card = ModelCard.load(out / "README.md")
+    assert card.data.library_name == "transformers" and card.data.pipeline_tag == "text-generation"
+    assert ("trust_remote_code=True" in card.text) == remote
+    assert f"at step {step}" in card.text and f"AutoTokenizer.from_pretrained(\"{out.name}\")" in card.text
+    assert (f"validation loss {val_loss} at this step" in card.text) if val_loss else "validation loss" not in card.text
 
 
 @pytest.mark.parametrize("arch", [NASH, NASH_LITE], ids=["nash-mhc-sinkhorn", "mhc-lite-convex-untied"])
@@ -132,6 +147,7 @@ def test_nash_mhc_exports_with_remote_code(tmp_path, stdlib_data, arch, request)
     assert config["model_type"] == "nash_mhc" and config["auto_map"] == export_hf.AUTO_MAP
     for name in ("model.py", "modeling_nash_mhc.py"):  # the repository's code, verbatim
         assert (out / name).read_bytes() == (ROOT / name).read_bytes()
+    check_model_card(out, remote=True, step=7)
     hf = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
     assert type(hf).__name__ == "NashMHCForCausalLM" and hf.config.model_config().to_dict() == ours.config.to_dict()
     x = tokens(2, 50)  # not a multiple of the coarsest block: padded inside, as in training
