@@ -473,7 +473,7 @@ def time_train_steps(model_cfgs: dict, batch: int, seq: int, device: str, precis
     amp = backend.autocast_dtype(precision)
     on_cuda = backend.device.type == "cuda"
     sync = torch.cuda.synchronize if on_cuda else None
-    peak = backend.peak_flops()
+    peak = backend.peak_flops(precision if amp else "fp32")
     fns, out = {}, {}
     for name, mcfg in model_cfgs.items():
         torch.manual_seed(0)

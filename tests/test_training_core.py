@@ -558,6 +558,19 @@ def test_gpu_peaks_match_whole_words_of_the_device_name(name, peak):
     assert peak_flops_for(name) == peak
 
 
+@pytest.mark.parametrize("name, bf16, fp32", [
+    ("NVIDIA A100-SXM4-80GB", 312e12, 156e12), ("NVIDIA H100 80GB HBM3", 989e12, 494.5e12),
+    ("NVIDIA L4", 121e12, 60.5e12), ("Tesla V100-SXM2-16GB", 15.7e12, 15.7e12), ("Tesla T4", 8.1e12, 8.1e12),
+    ("TPU v4", 275e12, 275e12), ("TPU v6 lite", 918e12, 918e12),
+])
+def test_peak_follows_the_training_precision(name, bf16, fp32):
+    """MFU of an fp32 run is against the peak its matmuls run at: TF32 on Ampere and later GPUs
+    (train.py enables it; half the bf16 peak, as NVIDIA's data sheets give it: A100 156 TFLOP/s),
+    fp32 on V100/T4, and one bf16 pass on TPU (XLA's default matmul precision)."""
+    from training.monitor import peak_flops_for
+    assert (peak_flops_for(name, "bf16"), peak_flops_for(name, "fp32")) == (bf16, fp32)
+
+
 def test_one_ctrl_c_delivered_twice_is_one_stop_and_a_later_one_exits(monkeypatch):
     """A terminal's Ctrl+C reaches a worker from its process group and again from the launcher
     (torchrun passes SIGINT on, so does train_xla.py): that is one request to stop and save. A

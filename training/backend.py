@@ -216,7 +216,8 @@ class Backend:
     def device_name(self) -> str:
         return str(self.device)
 
-    def peak_flops(self) -> float | None:
+    def peak_flops(self, precision: str = "bf16") -> float | None:
+        """Dense peak FLOP/s of one device for a run in ``precision`` (MFU's), if known."""
         return None
 
     def log_extras(self) -> dict:
@@ -412,9 +413,9 @@ class TorchBackend(Backend):
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else self.device.type
         return f"{name} (FSDP2 over {self.world_size} processes)" if self.fsdp else name
 
-    def peak_flops(self) -> float | None:
+    def peak_flops(self, precision: str = "bf16") -> float | None:
         if self.device.type == "cuda":
-            return peak_flops_for(torch.cuda.get_device_name(self.device))
+            return peak_flops_for(torch.cuda.get_device_name(self.device), precision)
         return None
 
     def shutdown(self) -> None:

@@ -224,7 +224,7 @@ class Trainer:
         self.monitor = Monitor(cfg, self.run_dir, backend.is_master, self.max_steps, state.step)
         self.params = [p for p in raw_model.parameters() if p.requires_grad]
         self.flops_per_token = raw_model.flops_per_token(d_cfg.seq_len)
-        self.peak = cfg.logging.peak_flops or backend.peak_flops()
+        self.peak = cfg.logging.peak_flops or backend.peak_flops(cfg.training.precision)
 
         # Device-side counters: no host sync needed to keep them. Cumulative, never reset: every
         # step then traces the same graph (XLA compiles it once).

@@ -19,6 +19,8 @@ from .checkpoint import atomic_write_text, first_line
 # Dense peak FLOP/s of one device in the precision a run trains in there, for MFU (vendors' data
 # sheets, without sparsity): bf16, except on GPUs without bf16 (V100, T4), where training.precision
 # bf16 falls back to fp32 (TorchBackend.autocast_dtype) and the fp32 peak is the one to compare with.
+# training.precision=fp32 on the others runs its matmuls in TF32 (TorchBackend enables it), whose
+# dense peak is half the bf16 one on every GPU listed (A100 156, H100 SXM 495, L4 60 TFLOP/s).
 # A key matches a device name that holds its words in order, whole: "L4" is not the "L40" in
 # "NVIDIA L40"; the longest matching key wins ("H100 PCIe" over "H100", which is the SXM part).
 PEAK_FLOPS = {
@@ -41,8 +43,13 @@ TPU_DEVICE_KINDS = {
 }
 
 
-def peak_flops_for(device_name: str) -> float | None:
-    """Dense bf16 peak FLOP/s of one device: a TPU by its exact ``xla_device_kind``, a GPU by name."""
+FP32_ONLY = {"V100", "V100S", "T4"}  # no bf16, no TF32: their PEAK_FLOPS entry is the fp32 peak
+
+
+def peak_flops_for(device_name: str, precision: str = "bf16") -> float | None:
+    """Dense peak FLOP/s of one device for a run in ``training.precision``: a TPU by its exact
+    ``xla_device_kind`` (bf16 in both precisions: XLA's default matmul precision for fp32 inputs
+    on TPU is one bf16 pass), a GPU by name (fp32: its TF32 peak where it has one)."""
     kind = TPU_DEVICE_KINDS.get(" ".join(device_name.split()))
     if kind is not None:
         return kind[1]
@@ -50,7 +57,8 @@ def peak_flops_for(device_name: str) -> float | None:
     for key in sorted(PEAK_FLOPS, key=len, reverse=True):
         k = _words(key)
         if any(words[i:i + len(k)] == k for i in range(len(words) - len(k) + 1)):
-            return PEAK_FLOPS[key]
+            tf32 = precision == "fp32" and key not in FP32_ONLY and not key.startswith("TPU")
+            return PEAK_FLOPS[key] / 2 if tf32 else PEAK_FLOPS[key]
     return None
 
 

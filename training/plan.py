@@ -58,9 +58,8 @@ class Device:
     memory: int             # bytes per chip
     compiler: str           # "xla" (train_xla.py) or "eager" (train.py)
 
-    @property
-    def peak_flops(self) -> Optional[float]:
-        return peak_flops_for(self.name)
+    def peak_flops(self, precision: str = "bf16") -> Optional[float]:
+        return peak_flops_for(self.name, precision)
 
 
 # Memory per chip, from the vendors' pages (the peak FLOP/s come from training/monitor.py's tables,
@@ -978,8 +977,9 @@ def format_plan(plan: Plan, mfu: float, usd_per_chip_hour: Optional[float], conf
         settings.append("scan_layers on")
     if layout.zero and layout.mode == "spmd":
         settings.append("gradients and optimizer state over data x fsdp")
+    peak = device.peak_flops(t.precision)
     lines = [f"plan for {config_path} on {device.kind} ({device.memory / GiB:.1f} GiB per chip"
-             + (f", bf16 peak {device.peak_flops / 1e12:.0f} TFLOP/s)" if device.peak_flops else ")"),
+             + (f", peak {peak / 1e12:.0f} TFLOP/s at precision {t.precision})" if peak else ")"),
              f"  {layout.describe()}",
              f"  {meta_model.num_params() / 1e9:.3f}B parameters; {layout.micro_batch} sequence(s) x "
              f"{cfg.data.seq_len} tokens per chip per micro-step, {t.gradient_accumulation_steps} "
@@ -1028,7 +1028,7 @@ def format_plan(plan: Plan, mfu: float, usd_per_chip_hour: Optional[float], conf
               f"  tokens per step   {tokens_step:,}",
               f"  steps             {steps:,}{budget}",
               f"  FLOPs per token   {fpt / 1e9:.2f} GFLOP (forward + backward)"]
-    peak_flops = cfg.logging.peak_flops or device.peak_flops
+    peak_flops = cfg.logging.peak_flops or device.peak_flops(t.precision)
     if peak_flops:
         step_s = tokens_step * fpt / (layout.chips * peak_flops * mfu)
         chip_hours = steps * step_s / 3600 * layout.chips

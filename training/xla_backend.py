@@ -625,9 +625,9 @@ class XLABackend(Backend):
         # that the next graph takes as a parameter, as it does after every sync, so nothing recompiles
         xm.set_rng_state(seed, self.device)
 
-    def peak_flops(self) -> float | None:
+    def peak_flops(self, precision: str = "bf16") -> float | None:
         """Dense bf16 peak of one chip, from the device kind ("TPU v4", "TPU v5 lite", ...)."""
-        return peak_flops_for(self.tpu_kind) if self.tpu_kind else None
+        return peak_flops_for(self.tpu_kind, precision) if self.tpu_kind else None
 
     def log_extras(self) -> dict:
         c = xla_counters()
