@@ -83,7 +83,11 @@ class NashMHCForCausalLM(PreTrainedModel, GenerationMixin):
         if isinstance(module, NashMHC):
             module.init_buffers()
             return
-        names = {m: name for name, m in self.model.named_modules()}
+        # module -> name, built once for the from_pretrained walk over every module (per call it was
+        # quadratic in the modules); again when a module is new (resize_token_embeddings)
+        names = self.__dict__.get("_module_names")
+        if names is None or (module not in names and not isinstance(module, nn.ParameterList)):
+            names = self.__dict__["_module_names"] = {m: name for name, m in self.model.named_modules()}
         if isinstance(module, nn.ParameterList):
             module = next((m for m in names if any(c is module for c in m.children())), None)
         if module not in names:
