@@ -14,6 +14,11 @@ through the real ``training.checkpoint.Checkpointer`` and ``TorchBackend`` on th
 Saves alternate form by form and mode by mode inside each repeat (interleaved, so that machine
 load affects every variant alike); figures are medians over repeats, and ``async_over_sync`` is
 the ratio of the medians of blocked time. Prints one JSON object.
+
+``--resume-processes N``: instead, what resuming from one single-file checkpoint costs the host's
+memory when N processes read it at once (every DDP rank does): each loads it as the trainers do
+(``training.checkpoint.load_checkpoint``, memory-mapped) or with a plain ``torch.load``, touches
+every tensor, and reports its private and proportional (PSS) memory from /proc (Linux).
 """
 from __future__ import annotations
 
@@ -77,15 +82,87 @@ def checkpoint_step_times(d_model: int = 512, layers: int = 8, repeats: int = 5)
     return out
 
 
+_HOLDER = """
+import sys, torch
+from training.checkpoint import load_checkpoint
+path, how = sys.argv[1], sys.argv[2]
+if how == "nothing":  # the interpreter and torch alone
+    ckpt = {"model": {}, "optimizer": {"state": {}}}
+elif how == "load_checkpoint":  # as the trainers resume
+    ckpt = load_checkpoint(path)
+else:
+    ckpt = torch.load(path, weights_only=True)
+total = sum(float(t.float().sum()) for t in ckpt["model"].values())  # every weight read
+total += sum(float(v.float().sum()) for s in ckpt["optimizer"]["state"].values() for v in s.values())
+print("loaded", flush=True)
+sys.stdin.readline()  # measured once every process has read the file (a page is shared once two map it)
+mem = {}
+for line in open("/proc/self/smaps_rollup"):
+    key, _, value = line.partition(":")
+    if key in ("Pss", "Private_Clean", "Private_Dirty", "Shared_Clean"):
+        mem[key] = int(value.split()[0]) / 1024
+print(round(mem["Private_Clean"] + mem["Private_Dirty"], 1), round(mem["Pss"], 1), flush=True)
+sys.stdin.read()  # held until every process has measured
+"""
+
+
+def resume_memory(processes: int, d_model: int, layers: int) -> dict:
+    """Private and PSS MiB per process, N processes holding one checkpoint file at once, read by
+    ``load_checkpoint`` and by a plain ``torch.load``, against a process that loads nothing."""
+    import subprocess
+
+    torch.manual_seed(0)
+    cfg = load_config(None, ["training.max_steps=1"])
+    model = NashMHC(ModelConfig(vocab_size=8192, d_model=d_model, n_layers=layers,
+                                n_heads=max(1, d_model // 64), n_kv_heads=max(1, d_model // 128),
+                                max_seq_len=256))
+    backend = TorchBackend("cpu")
+    opt = build_optimizer(model, cfg.training, backend.adamw_factory())
+    x = torch.randint(0, 8192, (1, 64))
+    model(x, x).loss.backward()
+    opt.step()
+    meta = {"format_version": 2, "step": 1, "tokens_seen": 0, "data": {"epoch": 0, "offset": 0},
+            "rng": rng_state(), "nonfinite": {"total": 0}, "config": cfg.to_dict(), "trainer": "torch"}
+    root = str(Path(__file__).resolve().parents[1])
+    out: dict = {"processes": processes}
+    with tempfile.TemporaryDirectory() as tmp:
+        ck = Checkpointer(Path(tmp), keep=1, backend=backend, log=lambda m: None, async_save=False)
+        ck.save(meta, model, opt, "bench")
+        path = next(Path(tmp).glob("ckpt_*.pt"))
+        out["file_mib"] = round(path.stat().st_size / 2**20, 1)
+        del model, opt
+        for how in ("nothing", "load_checkpoint", "torch.load"):
+            procs = [subprocess.Popen([sys.executable, "-c", _HOLDER, str(path), how], cwd=root, text=True,
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE) for _ in range(processes)]
+            for p in procs:
+                if p.stdout.readline().strip() != "loaded":
+                    raise RuntimeError(f"a process loading {path} failed (its error is above)")
+            for p in procs:
+                p.stdin.write("\n")
+                p.stdin.flush()
+            rows = [tuple(map(float, p.stdout.readline().split())) for p in procs]
+            for p in procs:
+                p.communicate("")
+            out[how] = {"private_mib": round(statistics.median(r[0] for r in rows), 1),
+                        "pss_mib": round(statistics.median(r[1] for r in rows), 1)}
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--d-model", type=int, default=512)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--resume-processes", type=int, metavar="N",
+                    help="instead: host memory of N processes resuming from one checkpoint file at once")
     args = ap.parse_args()
-    for flag, value in (("--d-model", args.d_model), ("--layers", args.layers), ("--repeats", args.repeats)):
-        if value < 1:
+    for flag, value in (("--d-model", args.d_model), ("--layers", args.layers), ("--repeats", args.repeats),
+                        ("--resume-processes", args.resume_processes)):
+        if value is not None and value < 1:
             ap.error(f"{flag} must be at least 1, got {value}")
+    if args.resume_processes:
+        print(json.dumps(resume_memory(args.resume_processes, args.d_model, args.layers), indent=1))
+        return 0
     print(json.dumps(checkpoint_step_times(args.d_model, args.layers, args.repeats), indent=1))
     return 0
 

@@ -268,8 +268,12 @@ def _dcp_meta(ckpt_dir: Path) -> dict:
 
 
 def _load_file(path: Path, with_optimizer: bool = True) -> dict:
+    # mmap: the tensors are read from the page cache as they are used, so the processes of a host
+    # that resume from one file (every DDP rank) share one copy of it instead of holding one each
+    # (copy-on-write: training may update a CPU tensor in place; saves are atomic renames and old
+    # checkpoints are unlinked, so the mapped file never changes under a reader)
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=not with_optimizer)
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: no such checkpoint") from None
     except pickle.UnpicklingError as e:
