@@ -3,6 +3,7 @@ import json
 import math
 import os
 import pickle
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -278,6 +279,7 @@ def _damaged_copy(src, dst, damage):
 
 @pytest.mark.parametrize("damage, match", [
     (lambda shard, meta: os.truncate(shard, 1000), "{shard}: cannot open shard"),
+    (lambda shard, meta: os.truncate(shard, 0), "{shard}: cannot open shard \\(an empty file\\)"),
     (lambda shard, meta: shard.unlink(), "{shard}: cannot open shard"),
     (lambda shard, meta: np.save(shard, np.zeros(10, np.int64)), "{shard}: int64\\[10\\] does not match meta.json"),
     (lambda shard, meta: meta.write_text('{"vocab_size": 512}'), "{meta}: unreadable meta.json \\(KeyError"),
@@ -297,6 +299,66 @@ def test_train_py_with_a_damaged_shard_exits_2_in_one_line(tmp_path, stdlib_data
     lines = [ln for ln in r.stderr.splitlines() if ln.strip() and "Warning" not in ln]
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert lines[-1] == f"train.py: error: {shard}: cannot open shard (mmap length is greater than file size)"
+
+
+def _foreign_ids(shard, meta):
+    """The shard's header and size kept, one token past the vocabulary: what a shard written with
+    another tokenizer (or a flipped bit) looks like to every check made at load."""
+    arr = np.load(shard, mmap_mode="r+")
+    arr[777] = json.loads(meta.read_text())["vocab_size"] + 5
+    arr.flush()
+
+
+def test_a_token_id_past_the_vocabulary_is_one_line_naming_shard_and_position(tmp_path, stdlib_data):
+    """It loaded, then failed inside the model (an index error; on CUDA a device-side assert)."""
+    shard = _damaged_copy(stdlib_data, tmp_path / "data", _foreign_ids)
+    meta = json.loads((tmp_path / "data" / "meta.json").read_text())
+    ds = TokenWindows(tmp_path / "data", "train", 64)
+    want = (f"{shard}: token 777 is id {meta['vocab_size'] + 5}, not below meta.json's vocab_size "
+            f"{meta['vocab_size']}")
+    errors = []
+    for rank in (0, 1):  # one epoch on each of two replicas: the window is one replica's
+        stream = DataStream(ds, batch_size=8, num_replicas=2, rank=rank, seed=3)
+        try:
+            for _ in range(stream.batches_per_epoch):
+                next(stream)
+        except ConfigError as e:
+            errors.append(str(e))
+    assert len(errors) == 1 and errors[0].startswith(want) and "\n" not in errors[0], errors
+
+    def everywhere(shard, meta):  # every train window holds one
+        for path in shard.parent.glob("train_*.npy"):
+            arr = np.load(path, mmap_mode="r+")
+            arr[::50] = json.loads(meta.read_text())["vocab_size"]
+            arr.flush()
+
+    _damaged_copy(stdlib_data, tmp_path / "data2", everywhere)
+    r = subprocess.run([sys.executable, "train.py", "configs/demo.yaml", f"data.dir={tmp_path / 'data2'}",
+                        f"checkpoint.dir={tmp_path / 'run'}", "training.max_steps=2", "model.n_layers=1"],
+                       cwd=ROOT, capture_output=True, text=True)
+    last = [ln for ln in r.stderr.splitlines() if ln.strip()][-1]
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert re.fullmatch(r"train\.py: error: .*/data2/train_\d+\.npy: token \d+ is id \d+, not below "
+                        r"meta\.json's vocab_size \d+: .*", last), last
+    assert not (tmp_path / "run").exists() or not list((tmp_path / "run").glob("ckpt_*"))
+
+
+def test_a_dataset_pickles_without_its_shards(stdlib_data):
+    """A DataLoader worker started by spawn or forkserver receives the dataset pickled: memmaps
+    pickle as a copy of all their data (the whole split, per worker, per epoch); the shards are
+    mapped again in the worker instead."""
+    import pickle
+    ds = TokenWindows(stdlib_data, "train", 64)
+    blob = pickle.dumps(ds)
+    assert len(blob) < 20_000 < sum(a.nbytes for a in ds.shards)
+    back = pickle.loads(blob)
+    for i in (0, len(ds) // 2, len(ds) - 1):
+        assert all(torch.equal(a, b) for a, b in zip(back[i], ds[i]))
+    stream = DataStream(ds, batch_size=4, num_replicas=1, rank=0, seed=0, num_workers=1)
+    stream.loader_kwargs["multiprocessing_context"] = "spawn"
+    x, y = next(stream)
+    stream.close()
+    assert torch.equal(x[:, 1:], y[:, :-1])
 
 
 # -- optimisers ------------------------------------------------------------------------------

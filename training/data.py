@@ -68,31 +68,65 @@ class TokenWindows(Dataset):
         self.meta = meta
         self.seq_len = seq_len
         self.eos_id = meta.get("eos_id")
-        self.shards = []
-        counts = []
-        for path, tokens in entries:
-            try:
-                arr = np.load(path, mmap_mode="r", allow_pickle=False)
-            except (OSError, ValueError) as e:
-                raise ConfigError(f"{path}: cannot open shard ({e})") from None
-            if arr.ndim != 1 or arr.shape[0] != tokens or arr.dtype.name != dtype:
-                raise ConfigError(f"{path}: {arr.dtype.name}[{arr.shape[0]}] does not match meta.json "
-                                  f"({dtype}[{tokens}])")
-            self.shards.append(arr)
-            counts.append(max(0, (arr.shape[0] - 1) // seq_len))
+        self.paths = [path for path, _ in entries]
+        self.shards = [self._open(path, tokens, dtype) for path, tokens in entries]
+        counts = [max(0, (arr.shape[0] - 1) // seq_len) for arr in self.shards]
         self.offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         if self.offsets[-1] == 0:
             raise ConfigError(f"{self.dir}: the {split} split has fewer than seq_len + 1 = "
                               f"{seq_len + 1} tokens in every shard")
 
+    @staticmethod
+    def _open(path: Path, tokens: int | None = None, dtype: str | None = None) -> np.ndarray:
+        """A shard memory-mapped, checked against its meta.json entry when one is given."""
+        try:
+            arr = np.load(path, mmap_mode="r", allow_pickle=False)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"{path}: cannot open shard ({e})") from None
+        except EOFError:
+            raise ConfigError(f"{path}: cannot open shard (an empty file)") from None
+        if tokens is not None and (arr.ndim != 1 or arr.shape[0] != tokens or arr.dtype.name != dtype):
+            raise ConfigError(f"{path}: {arr.dtype.name}[{arr.shape[0]}] does not match meta.json "
+                              f"({dtype}[{tokens}])")
+        return arr
+
+    def __getstate__(self) -> dict:
+        # a DataLoader worker started by spawn or forkserver (macOS's default; Linux's from Python
+        # 3.14) gets this object pickled: a pickled memmap is a copy of all its data, so the
+        # worker maps the shards again instead
+        state = dict(self.__dict__)
+        state["shards"] = None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.shards = [self._open(path) for path in self.paths]
+
     def __len__(self) -> int:
         return int(self.offsets[-1])
 
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def locate(self, i: int) -> tuple[int, int]:
+        """Sample ``i``'s shard index and first token within it."""
         s = int(np.searchsorted(self.offsets, i, side="right") - 1)
-        start = (i - int(self.offsets[s])) * self.seq_len
+        return s, (i - int(self.offsets[s])) * self.seq_len
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        s, start = self.locate(i)
         w = torch.from_numpy(self.shards[s][start:start + self.seq_len + 1].astype(np.int64))
         return w[:-1], w[1:]
+
+    def check_ids(self, indices) -> None:
+        """A ConfigError naming the shard and position of the first token id of these samples
+        that is not below the vocabulary (a corrupt shard, or one written with another
+        tokenizer): in the model it would be an index error, on CUDA a device-side assert."""
+        for i in indices:
+            s, start = self.locate(int(i))
+            w = np.asarray(self.shards[s][start:start + self.seq_len + 1])
+            bad = np.flatnonzero(w >= self.vocab_size)
+            if bad.size:
+                raise ConfigError(f"{self.paths[s]}: token {start + int(bad[0])} is id {int(w[bad[0]])}, not "
+                                  f"below meta.json's vocab_size {self.vocab_size}: the shard is corrupt or "
+                                  "was written with another tokenizer (prepare the data again)")
 
 
 class ResumableSampler(DistributedSampler):
@@ -164,6 +198,13 @@ def _start_workers(make):
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
+def past_vocabulary(batch, vocab_size: int | None) -> bool:
+    """Whether a host batch ``(x, y)`` holds a token id not below ``vocab_size`` (y is x shifted
+    by one, so y and x's first column are every token of it): one max per batch, on the host."""
+    x, y = batch
+    return vocab_size is not None and max(int(y.max()), int(x[:, 0].max())) >= vocab_size
+
+
 class DataStream:
     """An endless iterator of ``(x, y)`` batches from a known (epoch, global offset) position.
 
@@ -187,6 +228,7 @@ class DataStream:
                                   worker_init_fn=ignore_stop_signals if num_workers > 0 else None)
         self.epoch, self.offset = 0, 0
         self._it, self._left = None, 0
+        self.vocab_size = getattr(dataset, "vocab_size", None)
 
     @property
     def batches_per_epoch(self) -> int:
@@ -237,9 +279,19 @@ class DataStream:
                                                               generator=seeds, **self.loader_kwargs)))
             self._left = self.remaining(self.offset)
         batch = next(self._it)
+        if past_vocabulary(batch, self.vocab_size):
+            self._bad_ids()
         self._left -= 1
         self.offset += self.global_batch
         return batch
+
+    def _bad_ids(self) -> None:
+        """The batch at the current position holds an id past the vocabulary: say where."""
+        s = self.sampler
+        order = s._order()[self.offset + s.rank:self.offset + self.global_batch:s.num_replicas]
+        self.dataset.check_ids(order)
+        raise ConfigError(f"{getattr(self.dataset, 'dir', 'the data')}: a batch holds a token id not below "
+                          f"the vocabulary ({self.vocab_size})")
 
 
 def eval_batches(dataset: Dataset, batch_size: int, steps: int, num_replicas: int, rank: int):
@@ -254,4 +306,7 @@ def eval_batches(dataset: Dataset, batch_size: int, steps: int, num_replicas: in
     for i, batch in enumerate(loader):
         if i >= steps:
             break
+        if past_vocabulary(batch, getattr(dataset, "vocab_size", None)):
+            dataset.check_ids(range(i * batch_size * num_replicas + rank, (i + 1) * batch_size * num_replicas,
+                                    num_replicas))
         yield batch
