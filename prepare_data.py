@@ -45,6 +45,7 @@ PAD_TOKEN = "<|pad|>"
 N_BYTES = 256  # the byte-level alphabet: every byte has its own token
 DEFAULT_VOCAB_SIZE = 32768
 RECORD_KINDS = {".jsonl": "json", ".json": "json", ".ndjson": "json", ".parquet": "parquet"}
+JSON_LINES = {".jsonl", ".ndjson"}  # read line by line here; .json and .parquet through datasets
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 BATCH_BYTES = 1 << 20  # text per encode_batch call: large enough to keep both cores busy
 BATCH_DOCS = 4096
@@ -295,16 +296,58 @@ class Corpus:
                     self._warn_once(f"skipping {path}: {self.skipped[str(path)]}")
                     continue
                 yield text, data
+            elif path.suffix.lower() in JSON_LINES:
+                yield from self._json_lines(path)
             elif path.stat().st_size > 0:  # an empty records file holds no documents (datasets refuses it)
                 yield from self._records(str(path), self._open_records(path, kind))
         if self.dataset is not None:
             yield from self._records(f"--dataset {self.dataset}", self._open_dataset())
 
+    def _json_lines(self, path: Path) -> Iterator[tuple[str, bytes]]:
+        """The records of a JSON-lines file, one line at a time with Python's json: pyarrow (through
+        datasets) refuses the whole file for one record with an escaped lone surrogate and
+        counts its rows from 0; here such a record is skipped with a warning, and a line that is
+        not a JSON object is an error naming its line. Blank lines are no records."""
+        col, first = self.text_column, True
+        with open(path, "rb") as f:
+            for line_no, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except ValueError as e:  # JSONDecodeError, or UnicodeDecodeError: not UTF-8
+                    raise DataError(f"{path}: line {line_no} is not a JSON record ({one_line(e)})") from None
+                if not isinstance(rec, dict):
+                    raise DataError(f"{path}: line {line_no} is a JSON {type(rec).__name__}, not a record (object)")
+                if first and col not in rec:
+                    raise DataError(f"{path}: no text column {col!r} (columns: {', '.join(rec)}); "
+                                    f"use --text-column")
+                first = False
+                doc = self._record_text(str(path), f"line {line_no}", rec.get(col))
+                if doc is not None:
+                    yield doc
+
+    def _record_text(self, where: str, which: str, text) -> tuple[str, bytes] | None:
+        """(text, its UTF-8 bytes) of one record's text field, None for one skipped with a warning."""
+        if text is None:
+            text = ""
+        if not isinstance(text, str):
+            raise DataError(f"{where}: column {self.text_column!r} holds {type(text).__name__}, "
+                            f"not text ({which})")
+        try:
+            return text, text.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate from a JSON escape
+            self._warn_once(f"skipping {which} of {where}: not valid Unicode (a lone surrogate)")
+            return None
+
     @staticmethod
     def _open_records(path: Path, kind: str):
+        import glob
+
         datasets = _import_datasets()
         try:
-            return datasets.load_dataset(kind, data_files=str(path), split="train", streaming=True)
+            # data_files is a pattern: a name with [, * or ? would match other files (or none)
+            return datasets.load_dataset(kind, data_files=glob.escape(str(path)), split="train", streaming=True)
         except Exception as e:  # datasets raises many types; the message is what the user needs
             raise DataError(f"{path}: cannot read records: {one_line(e)}") from None
 
@@ -351,17 +394,9 @@ class Corpus:
                                     f"use --text-column")
                 for text in batch[col]:
                     row += 1
-                    if text is None:
-                        text = ""
-                    if not isinstance(text, str):
-                        raise DataError(f"{where}: column {col!r} holds {type(text).__name__}, "
-                                        f"not text (record {row})")
-                    try:
-                        data = text.encode("utf-8")
-                    except UnicodeEncodeError:  # a lone surrogate from a JSON escape
-                        self._warn_once(f"skipping record {row} of {where}: not valid Unicode")
-                        continue
-                    yield text, data
+                    doc = self._record_text(where, f"record {row}", text)
+                    if doc is not None:
+                        yield doc
         except DataError:
             raise
         except Exception as e:
@@ -400,6 +435,7 @@ class TokenizerSpec:
     def __init__(self, json_text: str, tokenizer, eos: str, bos: str | None, pad: str | None,
                  hf_files: dict[str, bytes] | None = None, source: str = "trained"):
         self.json_text, self.tokenizer, self.source = json_text, tokenizer, source
+        self.ignored: list[str] = []  # settings of the file that encoding leaves off (truncation, padding)
         self.eos, self.bos, self.pad = eos, bos, pad
         self.eos_id = self._id(eos)
         self.bos_id = self._id(bos) if bos is not None else None
@@ -454,6 +490,12 @@ class TokenizerSpec:
             tokenizer = Tokenizer.from_str(json_text)
         except Exception as e:  # UnicodeDecodeError, or the Rust parser's error
             raise DataError(f"--tokenizer {given}: not a tokenizers JSON file ({one_line(e)})") from None
+        # a tokenizer.json saved with truncation or padding on applies them to every encode():
+        # every document cut to the length, or padded with pad ids. Documents are encoded whole
+        # (transformers turns both off unless a call asks for them, so the file stays as it is)
+        ignored = [what for what, on in (("truncation", tokenizer.truncation), ("padding", tokenizer.padding)) if on]
+        tokenizer.no_truncation()
+        tokenizer.no_padding()
 
         hf_files: dict[str, bytes] = {}
         specials: dict[str, str | None] = {}
@@ -480,7 +522,9 @@ class TokenizerSpec:
         pad = specials.get("pad_token") or (PAD_TOKEN if known(PAD_TOKEN) is not None else None)
         if "tokenizer_config.json" not in hf_files:
             hf_files = None  # write our own, from the specials found
-        return cls(json_text, tokenizer, eos, specials.get("bos_token") or eos, pad, hf_files, given)
+        spec = cls(json_text, tokenizer, eos, specials.get("bos_token") or eos, pad, hf_files, given)
+        spec.ignored = ignored
+        return spec
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -628,21 +672,28 @@ def _batches(docs: Iterator[tuple[str, bytes]]) -> Iterator[tuple[list[str], lis
 
 def text_pieces(text: str, size: int | None = None) -> Iterator[str]:
     """``text`` in pieces of about ``size`` characters, each cut right after a newline with a
-    non-blank character on both sides (no such newline past ``size``: the rest stays whole).
+    non-blank character on both sides, or right before a CRLF with one on both sides (no such
+    line end past ``size``: the rest stays whole).
 
     A byte-level pre-tokenizer (GPT-2's pattern) makes such a newline a pre-token of its own,
-    bounded on both sides, so the pieces' tokens, one after the other, are the whole text's:
-    pieces change memory, not tokens. ``pieces_are_exact`` says which tokenizers that holds for."""
+    bounded on both sides (of a CRLF between non-blanks, "\r" and "\n" are one each), so the
+    pieces' tokens, one after the other, are the whole text's: pieces change memory, not tokens.
+    ``pieces_are_exact`` says which tokenizers that holds for."""
     size = size or PIECE_CHARS
     start, n = 0, len(text)
     while n - start > size:
-        cut = text.find("\n", start + size)
-        while cut != -1 and cut + 1 < n and (text[cut - 1].isspace() or text[cut + 1].isspace()):
-            cut = text.find("\n", cut + 1)
-        if cut == -1 or cut + 1 >= n:
+        cut, nl = None, text.find("\n", start + size)
+        while nl != -1 and nl + 1 < n and cut is None:
+            if not text[nl + 1].isspace():
+                if not text[nl - 1].isspace():
+                    cut = nl + 1                      # x\n|y
+                elif text[nl - 1] == "\r" and nl - 2 > start and not text[nl - 2].isspace():
+                    cut = nl - 1                      # x|\r\ny: "\r\n" at a piece's end would be one pre-token
+            nl = text.find("\n", nl + 1)
+        if cut is None:
             break
-        yield text[start:cut + 1]
-        start = cut + 1
+        yield text[start:cut]
+        start = cut
     yield text[start:]
 
 
@@ -681,6 +732,9 @@ def prepare(args: argparse.Namespace, argv: list[str]) -> str:
 
     if args.tokenizer is not None:
         spec = TokenizerSpec.load(args.tokenizer)
+        if spec.ignored:
+            warn(f"--tokenizer {args.tokenizer}: its tokenizer.json turns on {' and '.join(spec.ignored)}; "
+                 "ignored here: every document is encoded whole")
         tokenizer_meta = {"source": args.tokenizer}
     else:
         tokenizer_meta = {"source": "trained", "vocab_size_requested": args.vocab_size,
@@ -761,9 +815,10 @@ def encode_corpus(corpus: Corpus, spec: TokenizerSpec, dtype, folder: Path,
     eos = spec.eos_id
     hasher = split_hasher(args.seed)
     writers = {s: ShardWriter(folder, s, dtype, args.shard_tokens) for s in ("train", "val")}
-    # One document per split is held back: the train document closest to the val threshold and the
-    # val document farthest from it. At the end they move if a split would otherwise be empty.
-    reserve: dict[str, tuple[float, list[int]] | None] = {"train": None, "val": None}
+    # One document per split is held back, with its identical copies (one key: they must stay
+    # together): the train document closest to the val threshold and the val document farthest
+    # from it. At the end they move if a split would otherwise be empty.
+    reserve: dict[str, tuple[float, list] | None] = {"train": None, "val": None}
     assigned = {"train": 0, "val": 0}
     total_tokens = 0
     stop = False
@@ -804,10 +859,15 @@ def encode_corpus(corpus: Corpus, spec: TokenizerSpec, dtype, folder: Path,
             split = "val" if key < args.val_fraction else "train"
             assigned[split] += 1
             held = reserve[split]
-            if held is None or (key < held[0] if split == "train" else key > held[0]):
-                reserve[split] = (key, ids)
-                ids = held[1] if held is not None else None
-            if ids is not None:
+            if held is not None and key == held[0]:
+                held[1].append(ids)
+                out = []
+            elif held is None or (key < held[0] if split == "train" else key > held[0]):
+                reserve[split] = (key, [ids])
+                out = held[1] if held is not None else []
+            else:
+                out = [ids]
+            for ids in out:
                 runs = flat[split]
                 if isinstance(ids, list) and runs and isinstance(runs[-1], list):
                     runs[-1].extend(ids)
@@ -842,16 +902,18 @@ def encode_corpus(corpus: Corpus, spec: TokenizerSpec, dtype, folder: Path,
     n_docs = assigned["train"] + assigned["val"]
     if n_docs == 0:
         raise DataError(_no_documents(corpus))
+    held = {split: reserve[split][1] if reserve[split] is not None else [] for split in reserve}
     moves = {"train": "train", "val": "val"}
-    if assigned["val"] == 0 and assigned["train"] >= 2:
+    if assigned["val"] == 0 and assigned["train"] > len(held["train"]):  # train keeps a document
         moves["train"] = "val"
     elif assigned["train"] == 0:
         moves["val"] = "train"
     for split, dest in moves.items():
-        if reserve[split] is not None:
-            writers[dest].add(reserve[split][1], 1)
+        for ids in held[split]:
+            writers[dest].add(ids, 1)
     if writers["val"].documents == 0:
-        warn("only one document: the val split is empty")
+        warn("only one document: the val split is empty" if n_docs == 1 else
+             "the val split is empty: the documents are copies of one text (identical documents share a split)")
     return {split: w.close() for split, w in writers.items()}
 
 
