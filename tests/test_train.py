@@ -563,3 +563,34 @@ def test_a_token_budget_resumed_with_another_batch_keeps_its_budget_and_its_sche
     lrs = [m["lr"] for m in recs]
     assert all(a >= b for a, b in zip(lrs[2:], lrs[3:]))             # one cosine across the resume
     assert lrs[-1] == pytest.approx(0.1 * 3e-3)                      # down to min_lr at the end
+
+
+RANK_0_DISK_FULL = """
+import errno, os, pathlib
+mkdir = pathlib.Path.mkdir
+def full(self, *args, **kwargs):
+    if os.environ.get("RANK") == "0" and self.name == "ckpt_00000002":
+        raise OSError(errno.ENOSPC, "No space left on device", str(self))
+    return mkdir(self, *args, **kwargs)
+pathlib.Path.mkdir = full
+"""
+
+
+@needs_torchrun
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_sharded_save_that_fails_on_the_master_stops_every_process(tmp_path, stdlib_data, async_save):
+    """FSDP2's DCP save: the master makes the checkpoint directory, then all write. When that
+    failed (a full disk), the master went on to report the error while the others waited for it
+    in a barrier: every process hung until gloo's 30-minute timeout, deaf to SIGTERM. Now every
+    process stops with the reason in one line, and nothing half-made is left."""
+    cfg = tiny_config(tmp_path, stdlib_data, **{"training.fsdp": True, "training.max_steps": 4,
+                                                "checkpoint.interval": 2, "checkpoint.async": async_save})
+    script = patched_script(tmp_path, RANK_0_DISK_FULL, ["train.py", cfg, "training.batch_size=2"])
+    proc = subprocess.run([TORCHRUN, "--standalone", "--nproc_per_node=2", str(script)], cwd=ROOT,
+                          env=ENV, capture_output=True, text=True, timeout=300)
+    want = f"{tmp_path / 'run' / 'ckpt_00000002'}: cannot make the checkpoint directory (No space left on device)"
+    workers = proc.stderr.split("ChildFailedError")[0]  # then torchrun's own report of the exit codes
+    assert proc.returncode != 0 and workers.count("Traceback") <= 1, proc.stderr[-3000:]  # torchrun's
+    assert workers.count(f"train.py: error: {want}") == 2, proc.stderr[-3000:]  # both, the other "(on another process)"
+    assert f"{want} (on another process)" in workers and "exitcode  : 2" in proc.stderr
+    assert not (tmp_path / "run" / "ckpt_00000002").exists()

@@ -89,6 +89,8 @@ def test_config_unknown_section(tmp_path):
     ("training: {max_steps: 3, betas: [0.9, 0.95, 0.99]}", r"got \[0.9, 0.95, 0.99\]$"),
     ("training: {max_steps: {steps: 10}}", r"training.max_steps: expected int or null, got \{'steps': 10\}$"),
     ("logging: {wandb: {mode: off}}\ntraining: {max_steps: 3}", "logging.wandb.mode: 'off' is not one of"),
+    ("training: {max_steps: 3, device: gpu}", "training.device='gpu': expected auto, cuda, cuda:N, mps or cpu"),
+    ("training: {max_steps: 3, device: 'cuda:abc'}", "training.device='cuda:abc': expected"),
 ])
 def test_config_bad_values_name_the_key(tmp_path, text, match):
     with pytest.raises(ConfigError, match=match) as e:
@@ -118,6 +120,9 @@ def test_string_keys_take_an_override_as_written(tmp_path):
     assert cfg.logging.wandb.run_name is None and cfg.training.max_steps == 16 and cfg.checkpoint.dir == "0100"
     with pytest.raises(ConfigError, match="^model: expected a mapping of keys, got 5$"):
         load_config(None, ["model=5", "training.max_steps=3"])
+    # the later override trips over the earlier one: the message shows both
+    with pytest.raises(ConfigError, match=r"^override training.max_steps: 'training' is 1, not a section \("):
+        load_config(None, ["training=1", "training.max_steps=3"])
     # a '#' in a path is part of it (YAML would cut a comment off); quoted text is YAML's
     cfg = load_config(p, ["checkpoint.dir=runs/lr sweep #3", "logging.wandb.run_name='a #1'"])
     assert (cfg.checkpoint.dir, cfg.logging.wandb.run_name) == ("runs/lr sweep #3", "a #1")
@@ -359,6 +364,33 @@ def test_a_dataset_pickles_without_its_shards(stdlib_data):
     x, y = next(stream)
     stream.close()
     assert torch.equal(x[:, 1:], y[:, :-1])
+
+
+@pytest.mark.parametrize("want, distributed, gpus, error", [
+    ("cuda", (2, 1), 2, None),                                       # LOCAL_RANK 1's GPU
+    ("cuda", (4, 3), 2, "has 2 GPU(s), and torchrun started this process as LOCAL_RANK 3"),
+    ("cuda:0", (2, 1), 2, "under torchrun with 2 processes would put them all on one GPU"),
+    ("cuda:1", None, 2, None),
+    ("cuda:5", None, 2, "has 2 GPU(s), no cuda:5"),
+])
+def test_gpu_choice_under_torchrun(monkeypatch, want, distributed, gpus, error):
+    """train.py's device on a (simulated) GPU machine: an explicit cuda:N under torchrun put every
+    process on that GPU (NCCL failed with a traceback); more processes or a higher index than the
+    machine's GPUs failed deep in torch.cuda.set_device. Now one line each, naming the key."""
+    from training.backend import TorchBackend
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    b = TorchBackend.__new__(TorchBackend)  # the device choice alone: no process group, no GPU
+    b.distributed = distributed is not None
+    b.world_size, b.local_rank = distributed or (1, 0)
+    if error is None:
+        dev = b._pick_device(want)
+        assert dev.type == "cuda" and dev.index == (b.local_rank if want == "cuda" else int(want[5:]))
+    else:
+        with pytest.raises(ValueError, match=re.escape(error)) as e:
+            b._pick_device(want)
+        assert str(e.value).startswith(f"training.device={want!r}")
 
 
 # -- optimisers ------------------------------------------------------------------------------

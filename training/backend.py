@@ -318,12 +318,25 @@ class TorchBackend(Backend):
                 want = "mps"
             else:
                 want = "cpu"
-        dev = torch.device(want)
+        try:
+            dev = torch.device(want)
+        except RuntimeError:  # "gpu", "cuda:x": the config check says so first; callers may not check
+            raise ValueError(f"training.device={want!r}: expected auto, cuda, cuda:N, mps or cpu") from None
         if dev.type == "cuda":
             if not torch.cuda.is_available():
                 raise ValueError(f"training.device={want!r}: CUDA is not available on this machine")
+            if dev.index is not None and self.distributed and self.world_size > 1:
+                raise ValueError(f"training.device={want!r} under torchrun with {self.world_size} processes "
+                                 "would put them all on one GPU: use cuda (each process takes the GPU of "
+                                 "its LOCAL_RANK)")
             if dev.index is None:
                 dev = torch.device("cuda", self.local_rank)
+            if dev.index >= torch.cuda.device_count():
+                raise ValueError(
+                    f"training.device={want!r}: this machine has {torch.cuda.device_count()} GPU(s), "
+                    + (f"and torchrun started this process as LOCAL_RANK {self.local_rank} (more processes "
+                       "per node than GPUs: --nproc_per_node)" if want in ("cuda", "auto") else
+                       f"no cuda:{dev.index}"))
         elif dev.type == "mps" and not torch.backends.mps.is_available():
             raise ValueError(f"training.device={want!r}: MPS is not available on this machine")
         elif dev.type not in ("cpu", "cuda", "mps"):

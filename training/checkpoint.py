@@ -52,6 +52,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from .distributed import HostGroup
+
 FORMAT_VERSION = 2  # 2: optimizer state keyed by parameter name; DCP directories
 MARKER = "checkpoint.json"
 _FILE = re.compile(r"^ckpt_(\d{8,})\.pt$")
@@ -634,12 +636,17 @@ class Checkpointer:
         import torch.distributed.checkpoint as dcp
 
         group = self.backend.ckpt_group
+        error = None
         if self.backend.is_master:
-            if path.exists():  # a stale save of the same step (e.g. after resuming further back)
-                _delete(path)
-            path.mkdir(parents=True, exist_ok=True)
-        if group is not None:
-            torch.distributed.barrier(group=group)  # nobody writes before the stale one is gone
+            try:
+                if path.exists():  # a stale save of the same step (e.g. after resuming further back)
+                    _delete(path)
+                path.mkdir(parents=True, exist_ok=True)
+            except OSError as e:  # a full disk, a quota, a storage error: every process stops this save
+                error = CheckpointError(f"{path}: cannot make the checkpoint directory ({e.strerror or e})")
+        # nobody writes before the stale one is gone, and nobody waits for a master that failed
+        # (a barrier here hung every other process while the master went on to report its error)
+        HostGroup(group).raise_together(error, CheckpointError)
         with warnings.catch_warnings():  # one process: "saving in a single process" is the point
             if group is None:
                 warnings.simplefilter("ignore", UserWarning)

@@ -372,12 +372,13 @@ def build(cls: type, data: Any, prefix: str = "") -> Any:
 def _set_path(tree: dict, dotted: str, value: Any) -> None:
     parts = dotted.split(".")
     node = tree
-    for p in parts[:-1]:
+    for i, p in enumerate(parts[:-1]):
         nxt = node.get(p)
         if nxt is None:
             nxt = node[p] = {}
-        if not isinstance(nxt, dict):
-            raise ConfigError(f"override {dotted}: '{p}' is not a section")
+        if not isinstance(nxt, dict):  # the file, or an earlier override such as training=1, made it a value
+            raise ConfigError(f"override {dotted}: '{'.'.join(parts[:i + 1])}' is {nxt!r}, "
+                              "not a section (set by the config file or an earlier override)")
         node = nxt
     node[parts[-1]] = value
 
@@ -475,6 +476,8 @@ def check(cfg: Config, path: Any = None) -> None:
         bad(f"training.muon_momentum={t.muon_momentum} must be in [0, 1)")
     if t.grad_clip < 0:
         bad(f"training.grad_clip={t.grad_clip} must be >= 0")
+    if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", t.device):
+        bad(f"training.device={t.device!r}: expected auto, cuda, cuda:N, mps or cpu")
     if t.max_nonfinite_steps < 1:
         bad(f"training.max_nonfinite_steps={t.max_nonfinite_steps} must be at least 1")
     if cfg.evaluation.interval < 0 or cfg.evaluation.steps < 1:
