@@ -7,7 +7,7 @@ backend of ``train.py`` (one CUDA/MPS/CPU device, DDP under ``torchrun``, or FSD
 ``training.fsdp``). The XLA backend lives in ``training/xla_backend.py``, the only place that
 imports ``torch_xla``.
 
-Agreement across processes (``any_process``, ``all_equal``, ``barrier``) goes through
+Agreement across processes (``any_process``, ``all_equal``) goes through
 ``self.host``, a ``training.distributed.HostGroup`` on a gloo group: host-side, no device sync.
 
 Checkpoints (``training.checkpoint.Checkpointer`` drives them): ``checkpoint_format`` says which
@@ -133,9 +133,6 @@ class Backend:
         """Is ``text`` (a hash of meta.json, a checkpoint name, ...) the same on every process?
         One host-side all-reduce; every process gets the same answer."""
         return self.host.all_equal(text)
-
-    def barrier(self) -> None:
-        self.host.barrier()
 
     # -- checkpoints -------------------------------------------------------------------------
     checkpoint_format = "file"      # or "dcp" (see training.checkpoint)

@@ -40,7 +40,9 @@ def new_gloo_group() -> "dist.ProcessGroup | None":
 
 
 class HostGroup:
-    """Host-side collectives for decisions: ``any``, ``all_equal``, ``barrier``.
+    """Host-side collectives for decisions: ``any``, ``all_equal``, ``all_gather_text``,
+    ``raise_together`` (no barrier: a process that failed before one would leave the rest waiting;
+    agree on the failure instead).
 
     ``group`` is a gloo process group (``None``: one process, everything is local).
     """
@@ -92,7 +94,3 @@ class HostGroup:
         failed = mine if self.group is None else next((e for e in self.all_gather_text(mine) if e), "")
         if failed:
             raise error or kind(f"{failed} (on another process)")
-
-    def barrier(self) -> None:
-        if self.group is not None:
-            dist.barrier(group=self.group)
