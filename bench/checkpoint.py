@@ -41,7 +41,9 @@ from training.config import load_config  # noqa: E402
 from training.optim import build_optimizer  # noqa: E402
 
 
-def checkpoint_step_times(d_model: int = 512, layers: int = 8, repeats: int = 5) -> dict:
+def trained_state(d_model: int, layers: int):
+    """A model and AdamW after one step (the moments exist: the full state a checkpoint holds),
+    the CPU backend, and checkpoint metadata as the loop writes it."""
     torch.manual_seed(0)
     cfg = load_config(None, ["training.max_steps=1"])
     model = NashMHC(ModelConfig(vocab_size=8192, d_model=d_model, n_layers=layers,
@@ -51,10 +53,15 @@ def checkpoint_step_times(d_model: int = 512, layers: int = 8, repeats: int = 5)
     opt = build_optimizer(model, cfg.training, backend.adamw_factory())
     x = torch.randint(0, 8192, (1, 64))
     model(x, x).loss.backward()
-    opt.step()  # AdamW moments exist: the full state a checkpoint holds
-    n_values = sum(p.numel() for p in model.parameters())
+    opt.step()
     meta = {"format_version": 2, "step": 0, "tokens_seen": 0, "data": {"epoch": 0, "offset": 0},
             "rng": rng_state(), "nonfinite": {"total": 0}, "config": cfg.to_dict(), "trainer": "torch"}
+    return model, opt, backend, meta
+
+
+def checkpoint_step_times(d_model: int = 512, layers: int = 8, repeats: int = 5) -> dict:
+    model, opt, backend, meta = trained_state(d_model, layers)
+    n_values = sum(p.numel() for p in model.parameters())
     variants = [(form, mode) for form in ("file", "dcp") for mode in ("sync", "async")]
     times: dict = {v: {"blocked_s": [], "total_s": []} for v in variants}
     with tempfile.TemporaryDirectory() as tmp:
@@ -111,18 +118,8 @@ def resume_memory(processes: int, d_model: int, layers: int) -> dict:
     ``load_checkpoint`` and by a plain ``torch.load``, against a process that loads nothing."""
     import subprocess
 
-    torch.manual_seed(0)
-    cfg = load_config(None, ["training.max_steps=1"])
-    model = NashMHC(ModelConfig(vocab_size=8192, d_model=d_model, n_layers=layers,
-                                n_heads=max(1, d_model // 64), n_kv_heads=max(1, d_model // 128),
-                                max_seq_len=256))
-    backend = TorchBackend("cpu")
-    opt = build_optimizer(model, cfg.training, backend.adamw_factory())
-    x = torch.randint(0, 8192, (1, 64))
-    model(x, x).loss.backward()
-    opt.step()
-    meta = {"format_version": 2, "step": 1, "tokens_seen": 0, "data": {"epoch": 0, "offset": 0},
-            "rng": rng_state(), "nonfinite": {"total": 0}, "config": cfg.to_dict(), "trainer": "torch"}
+    model, opt, backend, meta = trained_state(d_model, layers)
+    meta["step"] = 1
     root = str(Path(__file__).resolve().parents[1])
     out: dict = {"processes": processes}
     with tempfile.TemporaryDirectory() as tmp:
