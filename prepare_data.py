@@ -671,7 +671,7 @@ def _batches(docs: Iterator[tuple[str, bytes]]) -> Iterator[tuple[list[str], lis
 
 
 def text_pieces(text: str, size: int | None = None) -> Iterator[str]:
-    """``text`` in pieces of about ``size`` characters, each cut right after a newline with a
+    r"""``text`` in pieces of about ``size`` characters, each cut right after a newline with a
     non-blank character on both sides, or right before a CRLF with one on both sides (no such
     line end past ``size``: the rest stays whole).
 
