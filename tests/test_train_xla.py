@@ -128,9 +128,12 @@ def test_resume_with_dropout_is_exact(tmp_path, stdlib_data, trainer):
     """A resumed run draws the dropout masks an uninterrupted one draws: every step seeds the
     generator (the XLA device's own on XLA) from training.seed, the replica and the step, and the
     DataLoader draws its worker seed from its own generator. On XLA the per-step seed is a graph
-    parameter: no step after the first compiles anything."""
+    parameter: no step after the first compiles anything, in the resumed run too (its optimiser
+    state, loaded from the file, was not device data as a fresh one's: one more update graph),
+    and not the last, whose learning rate is exactly 0 (min_lr_ratio 0: torch_xla makes a 0
+    scalar a graph constant)."""
     over = {"model.dropout": 0.1, "training.max_steps": 8, "checkpoint.interval": 4, "checkpoint.keep": 5,
-            "evaluation.interval": 4}
+            "evaluation.interval": 4, "training.min_lr_ratio": 0.0}
     ref, cut = tmp_path / "ref", tmp_path / "cut"
     ref.mkdir(), cut.mkdir()
     r = run([trainer, str(tiny_config(ref, stdlib_data, **over))])
@@ -146,6 +149,25 @@ def test_resume_with_dropout_is_exact(tmp_path, stdlib_data, trainer):
     if trainer == "train_xla.py":
         compiles = {m["step"]: m["xla_compilations"] for m in metrics(ref / "run")}
         assert compiles[1] == compiles[2] == compiles[3] and compiles[5] == compiles[7] == compiles[8], compiles
+        resumed = {m["step"]: m["xla_compilations"] for m in metrics(cut / "run")}
+        assert resumed[5] == resumed[6] == resumed[7], resumed  # step 8 compiles the evaluation
+
+
+def test_xla_launch_and_end_decisions(tmp_path, stdlib_data):
+    """ddp mode on a process with several devices (PJRT CPU with CPU_NUM_DEVICES=4; TPU v2/v3)
+    is one line: torch_xla runs those replicas as threads, and each made the gloo group in the
+    same process, a deadlock that ignored SIGTERM. A run whose loss stops being finite at its
+    last steps exits 3 with the non-finite save: on XLA the loop's last decision came before the
+    host read the last steps' values, and the run ended "done" (exit 0, a NaN final loss)."""
+    r = run(["train_xla.py", str(tiny_config(tmp_path, stdlib_data)), "xla.mode=ddp", "training.max_steps=2"],
+            env={**ENV, "CPU_NUM_DEVICES": "4"})
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "xla.mode=ddp: each process here has 4 CPU devices" in r.stderr and "Traceback" not in r.stderr
+    r = run(["train_xla.py", str(tiny_config(tmp_path, stdlib_data)), "training.max_steps=3",
+             "training.learning_rate=1e30", "training.warmup_steps=0", "training.max_nonfinite_steps=2",
+             "evaluation.interval=0", "checkpoint.interval=0", "logging.interval=1"])
+    assert r.returncode == 3 and "NaN/Inf for 2 steps in a row" in r.stderr, r.stderr[-3000:]
+    assert "non-finite loss" in r.stderr and "done:" not in r.stderr
 
 
 @pytest.mark.parametrize("first, second", [("train_xla.py", "train.py"), ("train.py", "train_xla.py")])

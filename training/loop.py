@@ -491,6 +491,10 @@ class Trainer:
 
     def _finish(self, exit_reason: str) -> int:
         state = self.state
+        if exit_reason == "done" and self.should_stop() == "nonfinite":
+            # the last steps' log lines ran after the loop's last decision (on XLA the host reads
+            # them in an asynchronous closure): a run that diverged at its end is not "done"
+            exit_reason = "nonfinite"
         if exit_reason == "nonfinite":
             self.save("non-finite loss", wait=True)
             self.log_line(

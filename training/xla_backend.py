@@ -67,6 +67,10 @@ class XLAAdamW(AdamW):
         lr = group["lr"]
         if isinstance(lr, torch.Tensor) or any(p.dtype != torch.float32 for p in ps):
             return super()._adamw_step(group, ps, found_inf)
+        # torch_xla makes the scalars 0 and 1 graph constants, any other value device data: the
+        # last step of a cosine to min_lr_ratio=0 (lr exactly 0) would be a new graph. The
+        # smallest positive double is 0 in the op's fp32, as lr 0 is
+        lr = lr or 5e-324
         beta1, beta2 = group["betas"]
         no_amsgrad = torch.empty(0, device=ps[0].device)
         for p in ps:
@@ -395,6 +399,14 @@ class XLABackend(Backend):
         # the launch checks, the loop's decisions and checkpoint I/O all go through it.
         self.processes = xr.process_count() if self.spmd else self.world_size
         self._made_group = False
+        if not self.spmd and self.processes > 1 and xr.addressable_runtime_device_count() > 1:
+            # xmp.spawn runs the replicas of a process with several devices (PJRT CPU with
+            # CPU_NUM_DEVICES > 1, TPU v2/v3 cores) as threads of it: every thread would make the
+            # gloo group below in one process, and they deadlock there for ever
+            raise ConfigError(f"xla.mode=ddp: each process here has {xr.addressable_runtime_device_count()} "
+                              f"{xr.device_type()} devices, whose replicas torch_xla runs as threads of one "
+                              "process, which ddp mode does not support: use xla.mode=spmd (one process "
+                              "over every device) or xla.nprocs=1")
         if self.processes > 1:
             import torch.distributed as dist
             from torch_xla.distributed import xla_backend as _xla_pg  # noqa: F401  (registers xla://)
@@ -583,8 +595,19 @@ class XLABackend(Backend):
 
     def load_full_state(self, model, optimizer, model_state, optim_state) -> None:
         # copy_ into a sharded parameter keeps its sharding; the optimiser's loaded state arrives
-        # as new unsharded tensors: shard it again.
+        # as new unsharded tensors: shard it again. It must also look to the traced update as a
+        # fresh run's state does, device data made on the device: torch's load_state_dict leaves
+        # "step" on the CPU (the first update then moved it inside its graph) and the rest as
+        # host copies, so the first update after a resume was one graph and every later one
+        # another: a compilation after warm-up on every resume from a file.
         super().load_full_state(model, optimizer, model_state, optim_state)
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                st = optimizer.state[p]
+                for k, v in list(st.items()):
+                    if torch.is_tensor(v):
+                        st[k] = (v.to(p.device, torch.float32) if k == "step" else v.to(p.device)).clone()
+        torch_xla.sync()
         self.prepare_optimizer(optimizer)
 
     def load_sharded_state(self, model, optimizer, path, param_groups, reader) -> None:
