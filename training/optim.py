@@ -229,7 +229,15 @@ def build_optimizer(model: nn.Module, tcfg, adamw_factory=None) -> torch.optim.O
 
 
 def set_lr(opt: torch.optim.Optimizer, factor: float) -> None:
-    """Set every group's learning rate to ``factor`` x its peak (``base_lr``)."""
+    """Set every group's learning rate to ``factor`` x its peak (``base_lr``).
+
+    A factor of exactly 0 (the last step of a cosine to ``min_lr_ratio: 0``) is set as 1e-30: an
+    update that moves no weight larger than ~1e-22 (fp32 rounding absorbs it), lr 0's update in
+    practice. torch_xla makes a scalar 0 a graph constant, and gives equal scalars one graph
+    parameter: lr 0 would compile a new update graph for the last step (and with Muon, both
+    groups at 0 share a parameter, another graph). Scaled from a common nonzero factor, the
+    groups' rates stay as distinct from each other as at every other step."""
+    factor = factor or 1e-30
     for g in opt.param_groups:
         lr = g["base_lr"] * factor
         if isinstance(g["lr"], torch.Tensor):

@@ -67,10 +67,6 @@ class XLAAdamW(AdamW):
         lr = group["lr"]
         if isinstance(lr, torch.Tensor) or any(p.dtype != torch.float32 for p in ps):
             return super()._adamw_step(group, ps, found_inf)
-        # torch_xla makes the scalars 0 and 1 graph constants, any other value device data: the
-        # last step of a cosine to min_lr_ratio=0 (lr exactly 0) would be a new graph. The
-        # smallest positive double is 0 in the op's fp32, as lr 0 is
-        lr = lr or 5e-324
         beta1, beta2 = group["betas"]
         no_amsgrad = torch.empty(0, device=ps[0].device)
         for p in ps:
