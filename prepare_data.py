@@ -64,7 +64,8 @@ EXAMPLES = """examples:
       --tokenizer data/stdlib --out data/more
   # a hub dataset, streamed, for a smoke run
   python prepare_data.py --dataset HuggingFaceFW/fineweb-edu --dataset-config sample-10BT \\
-      --max-tokens 50M --vocab-size 32768 --out data/fineweb-smoke
+      --max-tokens 50M --vocab-size 32768 --out data/fineweb-smoke  # after copying a prepared directory to another machine: every file against meta.json
+  python prepare_data.py --verify data/stdlib
 """
 
 
@@ -136,7 +137,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                      help="reuse a tokenizer (tokenizer.json or a local HF tokenizer directory) "
                           "instead of training one")
     out = p.add_argument_group("output")
-    out.add_argument("--out", required=True, metavar="DIR", help="output directory")
+    out.add_argument("--out", metavar="DIR", help="output directory (required)")
     out.add_argument("--overwrite", action="store_true",
                      help="replace an existing output directory (only if it holds nothing but a "
                           "previous prepare_data.py output)")
@@ -145,8 +146,20 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     out.add_argument("--val-fraction", type=float, default=0.005, metavar="F",
                      help="fraction of the documents in the val split (default 0.005)")
     out.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the train/val split (default 0)")
+    chk = p.add_argument_group("checking")
+    chk.add_argument("--verify", metavar="DIR",
+                     help="check a prepared directory against its meta.json and write nothing: every "
+                          "shard's size, dtype, sha256 and token ids, and the tokenizer's sha256 "
+                          "(after a copy: a partial or corrupted file trains silently otherwise)")
     args = p.parse_args(argv)
 
+    if args.verify is not None:
+        given = [f for f, v in (("--input", args.input), ("--dataset", args.dataset), ("--out", args.out)) if v]
+        if given:
+            raise DataError(f"--verify checks a prepared directory and writes nothing: it takes no {', '.join(given)}")
+        return args
+    if args.out is None:
+        raise DataError("the following arguments are required: --out (see --help)")
     if not args.input and not args.dataset:
         raise DataError("no inputs: give --input PATH ... and/or --dataset NAME")
     if not 0.0 < args.val_fraction < 1.0:
@@ -917,10 +930,98 @@ def encode_corpus(corpus: Corpus, spec: TokenizerSpec, dtype, folder: Path,
     return {split: w.close() for split, w in writers.items()}
 
 
+# ---------------------------------------------------------------------------------------------------
+# Verification of a prepared directory (--verify)
+
+VERIFY_CHUNK = 8 << 20
+
+
+def _verify_shard(path: Path, tokens: int, sha256: str, dtype: np.dtype, vocab_size: int) -> str | None:
+    """What is wrong with one shard against its meta.json entry, or None. One pass over the file:
+    the sha256 of its bytes and the largest token id, a chunk at a time (bounded memory)."""
+    if not path.is_file():
+        return "missing"
+    with open(path, "rb") as f:
+        try:
+            fmt = np.lib.format
+            version = fmt.read_magic(f)
+            header = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
+            shape, _, found = header(f)
+        except ValueError as e:
+            return f"not a .npy array ({one_line(e)})"
+        offset = f.tell()
+        if found != dtype or len(shape) != 1:
+            return f"a {found} array of shape {shape}; meta.json says 1-D {dtype.name}"
+        if shape[0] != tokens:
+            return f"{shape[0]:,} tokens; meta.json says {tokens:,}"
+        size = os.fstat(f.fileno()).st_size
+        if size != offset + tokens * dtype.itemsize:
+            return f"{size:,} bytes, the header says {offset + tokens * dtype.itemsize:,} (an incomplete copy?)"
+        f.seek(0)
+        digest = hashlib.sha256(f.read(offset))
+        largest, chunk = -1, VERIFY_CHUNK - VERIFY_CHUNK % dtype.itemsize
+        while data := f.read(chunk):
+            digest.update(data)
+            largest = max(largest, int(np.frombuffer(data, dtype=dtype).max()))
+    if digest.hexdigest() != sha256:
+        return "sha256 differs from meta.json (changed, or corrupted in a copy)"
+    if largest >= vocab_size:
+        return f"token id {largest} is past the vocabulary ({vocab_size} tokens)"
+    return None
+
+
+def verify(folder: Path) -> tuple[list[str], str]:
+    """Check a prepared directory against its meta.json: (problems, one per file, "FILE: what"; a
+    summary line). Shards are checked by a few threads (hashing and numpy release the GIL)."""
+    meta_path = folder / "meta.json"
+    try:
+        meta = json.loads(meta_path.read_text())
+        vocab_size, dtype = int(meta["vocab_size"]), np.dtype(meta["dtype"])
+        shards = [(folder / sh["file"], int(sh["tokens"]), str(sh["sha256"]))
+                  for split in ("train", "val") for sh in meta["splits"][split]["shards"]]
+        tokenizer = (folder / meta["tokenizer_file"], str(meta["tokenizer_sha256"]))
+    except OSError as e:
+        raise DataError(f"--verify {folder}: cannot read {meta_path} ({e.strerror or one_line(e)})") from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise DataError(f"{meta_path}: not a prepare_data.py meta.json ({type(e).__name__}: {one_line(e)})") from None
+    t0 = time.time()
+    problems = []
+    path, sha = tokenizer
+    if not path.is_file():
+        problems.append(f"{path}: missing")
+    elif hashlib.sha256(path.read_bytes()).hexdigest() != sha:
+        problems.append(f"{path}: sha256 differs from meta.json (another tokenizer: the shards' ids mean other text)")
+    interactive = sys.stderr.isatty()
+    with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1, max(1, len(shards)))) as pool:
+        results = pool.map(lambda e: _verify_shard(*e, dtype, vocab_size), shards)
+        for i, ((path, _, _), problem) in enumerate(zip(shards, results), 1):
+            if problem is not None:
+                problems.append(f"{path}: {problem}")
+            if interactive:
+                print(f"\r{PROG}: verified {i}/{len(shards)} shards", end="", file=sys.stderr, flush=True)
+    if interactive:
+        print(file=sys.stderr)
+    tokens = sum(t for _, t, _ in shards)
+    nbytes = sum(p.stat().st_size for p, _, _ in shards if p.is_file())
+    elapsed = time.time() - t0
+    return problems, (f"{len(shards)} shards, {tokens:,} tokens, {nbytes / 1e6:,.1f} MB and the tokenizer "
+                      f"in {elapsed:.1f} s")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     try:
         args = parse_args(argv)
+        if args.verify is not None:
+            problems, summary = verify(Path(args.verify))
+            for problem in problems:
+                print(f"{PROG}: {problem}", file=sys.stderr)
+            if problems:
+                print(f"{PROG}: error: {args.verify}: {len(problems)} file(s) do not match meta.json; "
+                      f"checked {summary}", file=sys.stderr)
+                return 1
+            print(f"{PROG}: verified {args.verify}: {summary}: all match meta.json", flush=True)
+            return 0
         summary = prepare(args, argv)
     except SystemExit as e:  # --help
         return e.code if isinstance(e.code, int) else 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -212,6 +213,48 @@ def test_shards_agree_with_meta(stdlib_data):
     names = {p.name for p in stdlib_data.iterdir()}
     assert names == {"meta.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                      *(s["file"] for sp in meta["splits"].values() for s in sp["shards"])}
+
+
+def test_verify_finds_every_file_that_differs_from_meta(stdlib_data, tmp_path, prepare_data_cli):
+    """--verify passes a prepared directory and names each file a copy got wrong (one line each,
+    exit 1), reading and writing nothing else: a flipped token, a truncated shard, a missing one,
+    another tokenizer, and (meta.json made to agree with the file) a token id past the vocabulary."""
+    ok = prepare_data_cli("--verify", stdlib_data)
+    assert ok.returncode == 0 and "all match meta.json" in ok.stdout and not ok.stderr, ok.stderr
+    d = tmp_path / "copy"
+    shutil.copytree(stdlib_data, d)
+    meta = meta_of(d)
+    train = [d / sh["file"] for sh in meta["splits"]["train"]["shards"]]
+    val = d / meta["splits"]["val"]["shards"][0]["file"]
+    a = np.load(train[0])
+    a[len(a) // 2] ^= 1                    # one bit, same size: only the hash sees it
+    np.save(train[0], a)
+    with open(train[1], "r+b") as f:       # an interrupted copy
+        f.truncate(os.path.getsize(train[1]) // 2)
+    val.unlink()
+    (d / "tokenizer.json").write_text((d / "tokenizer.json").read_text() + " ")
+    before = snapshot(d)
+    bad = prepare_data_cli("--verify", d)
+    assert bad.returncode == 1 and "Traceback" not in bad.stderr and not bad.stdout
+    lines = bad.stderr.strip().splitlines()
+    assert lines[:-1] == [f"prepare_data.py: {d / 'tokenizer.json'}: sha256 differs from meta.json "
+                          "(another tokenizer: the shards' ids mean other text)",
+                          f"prepare_data.py: {train[0]}: sha256 differs from meta.json (changed, or corrupted in a copy)",
+                          f"prepare_data.py: {train[1]}: {os.path.getsize(train[1]):,} bytes, the header says "
+                          f"{os.path.getsize(stdlib_data / train[1].name):,} (an incomplete copy?)",
+                          f"prepare_data.py: {val}: missing"], lines
+    assert lines[-1].startswith(f"prepare_data.py: error: {d}: 4 file(s) do not match meta.json")
+    assert snapshot(d) == before
+    # a shard whose ids are past the vocabulary, with a meta.json that agrees with its bytes
+    shutil.rmtree(d)
+    shutil.copytree(stdlib_data, d)
+    a = np.load(train[0])
+    a[7] = meta["vocab_size"] + 3
+    np.save(train[0], a)
+    meta["splits"]["train"]["shards"][0]["sha256"] = hashlib.sha256(train[0].read_bytes()).hexdigest()
+    (d / "meta.json").write_text(json.dumps(meta))
+    bad = prepare_data_cli("--verify", d)
+    assert bad.returncode == 1 and f"{train[0]}: token id {meta['vocab_size'] + 3} is past the vocabulary" in bad.stderr
 
 
 def test_uint32_when_the_vocabulary_does_not_fit_uint16(tmp_path):
@@ -594,6 +637,10 @@ def _bad_cases(tmp: Path) -> dict:
                                      "--vocab-size", None),
         "val fraction 0": (["--input", ok, "--val-fraction", 0, "--out", tmp / "o"], "--val-fraction", None),
         "bad size": (["--input", ok, "--shard-tokens", "lots", "--out", tmp / "o"], "lots", None),
+        "no --out": (["--input", ok], "--out", None),
+        "verify with --out": (["--verify", old, "--out", old], "it takes no --out", old),
+        "verify a directory without meta.json": (["--verify", ok], str(ok / "meta.json"), None),
+        "verify a foreign meta.json": (["--verify", foreign], "not a prepare_data.py meta.json", foreign),
         "missing dataset": (["--dataset", tmp / "nodataset", "--out", tmp / "o", "--vocab-size", 300],
                             "nodataset", None),
     }
