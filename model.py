@@ -1022,20 +1022,29 @@ class NashMHC(nn.Module):
         return {k: v.detach() for k, v in metrics.items()}
 
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens: int, temperature: float = 1.0, top_k: Optional[int] = None):
-        """Append ``max_new_tokens`` sampled tokens to ``idx [B, T]`` (context cropped to
-        max_seq_len; temperature <= 0: greedy; ``top_k``: sample among the k likeliest tokens, None:
-        all of them). Runs in eval mode and restores the mode."""
+    def generate(self, idx, max_new_tokens: int, temperature: float = 1.0, top_k: Optional[int] = None,
+                 vocab_limit: Optional[int] = None, stop_id: Optional[int] = None,
+                 generator: Optional[torch.Generator] = None):
+        """Append up to ``max_new_tokens`` sampled tokens to ``idx [B, T]`` (context cropped to
+        max_seq_len; no KV cache: each token is one forward pass over the context).
+        ``temperature <= 0``: greedy; ``top_k``: sample among the k likeliest tokens, None: all of
+        them; ``vocab_limit``: only ids below it (a vocabulary rounded up past the tokenizer's has
+        rows no text maps to); ``stop_id``: stop once every row has produced it (rows that end
+        earlier go on: cut them at their first ``stop_id``); ``generator``: the random stream.
+        Runs in eval mode and restores the mode."""
         if top_k is not None and top_k < 1:
             raise ValueError(f"top_k={top_k}: expected at least 1, or None for all tokens")
         if idx.shape[-1] == 0:
             raise ValueError("generate needs at least one prompt token")
         was_training = self.training
         self.eval()
+        stopped = torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)
         try:
             for _ in range(max_new_tokens):
                 x, _ = self.trunk(idx[:, -self.config.max_seq_len:])
                 logits = self.lm_head(x[:, -1]).float()
+                if vocab_limit is not None:
+                    logits[:, vocab_limit:] = float("-inf")
                 if temperature <= 0:
                     nxt = logits.argmax(dim=-1, keepdim=True)
                 else:
@@ -1044,8 +1053,12 @@ class NashMHC(nn.Module):
                     if top_k is not None:
                         kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
                         logits = logits.masked_fill(logits < kth, float("-inf"))
-                    nxt = torch.multinomial(torch.softmax(logits, dim=-1), num_samples=1)
+                    nxt = torch.multinomial(torch.softmax(logits, dim=-1), num_samples=1, generator=generator)
                 idx = torch.cat([idx, nxt], dim=1)
+                if stop_id is not None:
+                    stopped |= nxt[:, 0] == stop_id
+                    if bool(stopped.all()):
+                        break
         finally:
             self.train(was_training)
         return idx

@@ -10,6 +10,7 @@ The tokenizer is found through the data directory recorded in the checkpoint's c
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -30,6 +31,10 @@ def load_model(path: Path, device: str) -> tuple[NashMHC, dict]:
     path, ckpt = resolve_checkpoint(path, warn=lambda m: print(m, file=sys.stderr),
                                     with_optimizer=False)
     model = model_from_checkpoint(ckpt, path)
+    bad = [name for name, t in model.state_dict().items() if t.is_floating_point() and not t.isfinite().all()]
+    if bad:  # a diverged run's save: sampling would fail inside torch.multinomial, or print noise greedily
+        raise CheckpointError(f"{path}: non-finite weights in {bad[0]}" + (f" and {len(bad) - 1} more" if len(bad) > 1
+                              else "") + " (the run diverged): sample an earlier checkpoint")
     model.to(device).eval()
     print(f"loaded {path} (step {ckpt['step']}, {model.num_params() / 1e6:.2f}M parameters, "
           f"trained by {ckpt.get('trainer', '?')})", file=sys.stderr)
@@ -47,7 +52,7 @@ def main(argv=None) -> int:
     ap.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest tokens; 0: all of "
                                                           "them (default: %(default)s)")
     ap.add_argument("--num-samples", type=int, default=2)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="the same seed and --num-samples give the same samples")
     ap.add_argument("--ignore-eos", action="store_true",
                     help="print past the tokenizer's end-of-text token (<|endoftext|> for prepare_data.py's "
                          "own), the end of a document (default: a sample ends there, as transformers' "
@@ -60,6 +65,8 @@ def main(argv=None) -> int:
                              ("--max-new-tokens", args.max_new_tokens, 0), ("--num-samples", args.num_samples, 1)):
         if not value >= low:  # also NaN
             ap.error(f"{flag} must be at least {low}, got {value}")
+    if not 0 <= args.seed < 2 ** 63:
+        ap.error(f"--seed must be in [0, 2**63), got {args.seed}")
     try:
         device = torch.device(args.device)
     except RuntimeError:
@@ -94,25 +101,38 @@ def main(argv=None) -> int:
         except DataError as e:
             raise FileNotFoundError(str(e).removeprefix("--tokenizer ")) from None
         tok, eos = spec.tokenizer, spec.eos_id
-        if tok.get_vocab_size() > model.config.vocab_size:
-            raise FileNotFoundError(f"{tok_path}: {tok.get_vocab_size()} token ids, but the model has "
+        if spec.vocab_size > model.config.vocab_size:
+            raise FileNotFoundError(f"{tok_path}: {spec.vocab_size} token ids, but the model has "
                                     f"{model.config.vocab_size} rows: not the tokenizer it was trained "
                                     "with (pass --tokenizer)")
+        # as prepare_data.py encodes a document (no BOS or other template tokens)
+        ids = tok.encode(args.prompt, add_special_tokens=False).ids
+        if args.prompt and not ids:
+            raise FileNotFoundError(f"--prompt: the tokenizer {tok_path} encodes none of it (not a byte-level one)")
     except (CheckpointError, ConfigError, FileNotFoundError) as e:
         print(f"sample.py: error: {e}", file=sys.stderr)
         return 2
-    torch.manual_seed(args.seed)
-    # as prepare_data.py encodes a document (no BOS or other template tokens); an empty prompt starts
-    # where every document does, after an end of text
-    ids = tok.encode(args.prompt, add_special_tokens=False).ids or [eos]
-    idx = torch.tensor([ids] * args.num_samples, dtype=torch.long, device=args.device)
-    out = model.generate(idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None)
-    for i, row in enumerate(out.tolist()):
-        new_ids = row[len(ids):]
-        if eos in new_ids and not args.ignore_eos:
-            row = row[:len(ids) + new_ids.index(eos) + 1]
-        print(f"----- sample {i + 1} -----")
-        print(tok.decode(row, skip_special_tokens=False))
+    if ids and tok.decode(ids, skip_special_tokens=False) != args.prompt:
+        print(f"warning: the tokenizer {tok_path} does not encode the prompt exactly: the model sees "
+              f"{tok.decode(ids, skip_special_tokens=False)!r}", file=sys.stderr)
+    if len(ids) > model.config.max_seq_len:
+        print(f"note: the prompt is {len(ids)} tokens; the model sees its last {model.config.max_seq_len} "
+              "(model.max_seq_len)", file=sys.stderr)
+    start = ids or [eos]  # an empty prompt starts where every document does, after an end of text
+    idx = torch.tensor([start] * args.num_samples, dtype=torch.long, device=args.device)
+    stop = None if args.ignore_eos else eos
+    out = model.generate(idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None,
+                         vocab_limit=spec.vocab_size, stop_id=stop,
+                         generator=torch.Generator(device=idx.device).manual_seed(args.seed))
+    try:
+        for i, row in enumerate(out.tolist()):
+            new_ids = row[len(start):]
+            if stop in new_ids:
+                new_ids = new_ids[:new_ids.index(stop) + 1]
+            print(f"----- sample {i + 1} -----")
+            print(tok.decode(ids + new_ids, skip_special_tokens=False), flush=True)
+    except BrokenPipeError:  # `sample.py ... | head`: the reader is gone, which is not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so that the exit's flush is quiet
     return 0
 
 

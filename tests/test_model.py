@@ -590,6 +590,18 @@ def test_generate_gives_valid_ids_and_crops_the_context():
     greedy = m.generate(prompt[:, :10], 4, temperature=0)
     assert torch.equal(greedy, m.generate(prompt[:, :10], 4, top_k=1))
     assert torch.equal(greedy, m.generate(prompt[:, :10], 4, temperature=1e-40))  # near-greedy, not inf - inf
+    # only ids below vocab_limit (rows past a tokenizer's vocabulary map to no text)
+    for t in (0, 1.0, 1e30):
+        assert m.generate(prompt[:, :10], 8, temperature=t, vocab_limit=5)[:, 10:].max() < 5
+    # stop_id: generation stops once every row has produced it
+    stop = int(greedy[0, 10])
+    assert torch.equal(m.generate(prompt[:1, :10].repeat(2, 1), 4, temperature=0, stop_id=stop),
+                       greedy[:1, :11].repeat(2, 1))
+    # a generator: the same seed, the same samples, and the global stream untouched
+    state = torch.get_rng_state()
+    a = m.generate(prompt[:, :10], 6, generator=torch.Generator().manual_seed(3))
+    b = m.generate(prompt[:, :10], 6, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(a, b) and torch.equal(torch.get_rng_state(), state)
     with pytest.raises(ValueError, match="at least one prompt token"):
         m.generate(prompt[:, :0], 4)
     with pytest.raises(IndexError):

@@ -97,8 +97,19 @@ def test_trains_logs_and_checkpoints(tmp_path, stdlib_data):
              f"torch.cat([idx, torch.tensor([[65, {eos}, {pad}, 67]] * len(idx))], 1)\n")
     r = run_patched(tmp_path, patch, ["sample.py", tmp_path / "run", "--prompt", "", "--tokenizer", imported])
     assert r.returncode == 0, r.stderr[-2000:]
-    want = big.decode([pad, 65, eos, pad], skip_special_tokens=False)
+    want = big.decode([65, eos, pad], skip_special_tokens=False)  # the start token is not the prompt's
     assert r.stdout.split("----- sample 2 -----\n")[1] == want + "\n", (r.stdout, want)
+    # weights a diverged run saved, a seed numpy/torch cannot take: one line each; a prompt past
+    # the context is said to be cropped
+    nan = {k: v.clone() for k, v in ck["model"].items()}
+    nan["blocks.0.attn.q.weight" if "blocks.0.attn.q.weight" in nan else next(iter(nan))].fill_(float("nan"))
+    atomic_torch_save(dict(ck, model=nan), tmp_path / "nan.pt")
+    for args, said in (([str(tmp_path / "nan.pt")], "non-finite weights in"),
+                       ([str(tmp_path / "run"), "--seed", str(2 ** 64)], "--seed must be in [0, 2**63)")):
+        r = run(["sample.py", *args, "--max-new-tokens", "2"])
+        assert r.returncode == 2 and "Traceback" not in r.stderr and said in r.stderr, (args, r.stderr[-2000:])
+    r = run(["sample.py", str(tmp_path / "run"), "--prompt", "x = 1\n" * 40, "--max-new-tokens", "2"])
+    assert r.returncode == 0 and "; the model sees its last 64 (model.max_seq_len)" in r.stderr, r.stderr[-2000:]
     # the data directory re-prepared since the checkpoint (meta.json differs): said
     atomic_torch_save(dict(ck, data={**ck["data"], "fingerprint": "0" * 64}), tmp_path / "moved.pt")
     r = run(["sample.py", str(tmp_path / "moved.pt"), "--max-new-tokens", "2"])

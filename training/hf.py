@@ -180,8 +180,9 @@ def model_from_checkpoint(ckpt: dict, where) -> NashMHC:
         model = NashMHC(cfg)
     try:
         result = model.load_state_dict(ckpt["model"], strict=False, assign=True)
-    except RuntimeError as e:  # shape mismatch
-        raise CheckpointError(f"{where}: weights do not fit the stored config ({first_line(e)})") from None
+    except RuntimeError as e:  # shape mismatch: torch's first line is a heading, the next ones name each tensor
+        detail = next((ln.strip() for ln in str(e).splitlines() if "mismatch" in ln), first_line(e))
+        raise CheckpointError(f"{where}: weights do not fit the stored config ({detail[:300]})") from None
     if result.missing_keys or result.unexpected_keys:
         raise CheckpointError(f"{where}: unknown architecture: weights and stored config disagree (missing "
                               f"{sorted(result.missing_keys)[:3]}, unexpected {sorted(result.unexpected_keys)[:3]})")
