@@ -538,7 +538,7 @@ def gpu_speed(budget: dict) -> dict:
 
 def attention(args, budget: dict) -> dict:
     import torch
-    from model import ModelConfig, NashAttention, rope_tables
+    from model import ModelConfig, NashAttention, attention_masks, rope_tables
 
     b = budget
     kinds = {"full": dict(nash_scales=1, nash_window=0),
@@ -553,11 +553,12 @@ def attention(args, budget: dict) -> dict:
             module = NashAttention(cfg)
             module.reset_parameters()  # the temperatures (torch.empty until then)
             cos, sin = rope_tables(cfg.head_dim, T, cfg.rope_theta)
+            masks = attention_masks(cfg, T)  # as in the model: once per forward, for all its layers
             x = torch.randn(1, T, cfg.d_model, requires_grad=True)
             g = torch.randn(1, T, cfg.d_model)
 
-            def step(module=module, x=x, g=g, cos=cos, sin=sin):
-                out, _ = module(x, cos, sin)
+            def step(module=module, x=x, g=g, cos=cos, sin=sin, masks=masks):
+                out, _ = module(x, cos, sin, masks)
                 out.backward(g)
                 module.zero_grad(set_to_none=True)
                 x.grad = None
@@ -863,7 +864,11 @@ def render_markdown(report: dict) -> str:
             L += [f"Not measured: {sec['error']}", ""]
             continue
         meta = sec["_meta"]
-        L += RENDER[name](sec)
+        try:
+            L += RENDER[name](sec)
+        except (KeyError, TypeError, IndexError, ValueError) as e:  # kept by --only from an older bench/run.py
+            L += [f"Not shown: a result of an older bench/run.py ({type(e).__name__}: {e}); re-run it with "
+                  f"`--only {name}`", ""]
         L += ["", f"<sub>measured {meta['date']} at commit {meta.get('commit', '?')}, {meta['wall_s']:.0f}s, load "
                   f"average {meta['load_start']:.2f} → {meta['load_end']:.2f}"
                   f"{', --quick budgets' if meta['quick'] else ''}</sub>", ""]
