@@ -171,23 +171,26 @@ def test_bad_arguments_are_one_line_errors(tmp_path, args, message):
 
 @pytest.mark.slow
 def test_quick_attention_keeps_other_sections(tmp_path):
-    """--only re-measures one section and keeps the others from latest.json; the report renders both."""
+    """--only re-measures one section and keeps the others from latest.json; the report renders
+    them, and says which kept one an older bench/run.py wrote with other fields."""
     data_section = {"loader_tokens_per_sec": 2e6, "loader_all": [2e6], "first_batch_s": 0.05,
                     "model_tokens_per_sec": 4e3, "ratio": 500.0, "target": 10.0, "batch": 16, "seq_len": 256,
                     "num_workers": 1, "batches": 40, "repeats": 1,
                     "model_run": {"steps": 10, "precision": "fp32", "dir": "runs/data-consumption"},
                     "_meta": {"date": "earlier", "wall_s": 1.0, "load_start": 1.0, "load_end": 1.0, "quick": True}}
-    (tmp_path / "latest.json").write_text(json.dumps({"sections": {"data": data_section}}))
+    old_xla = {"graphs": 2, "_meta": data_section["_meta"]}
+    (tmp_path / "latest.json").write_text(json.dumps({"sections": {"data": data_section, "xla": old_xla}}))
     r = run_bench("--quick", "--only", "attention", "--out", tmp_path)
     assert r.returncode == 0, r.stderr
     report = json.loads((tmp_path / "latest.json").read_text())
-    assert set(report["sections"]) == {"attention", "data"} and report["sections"]["data"] == data_section
+    assert set(report["sections"]) == {"attention", "data", "xla"} and report["sections"]["data"] == data_section
     att = report["sections"]["attention"]
     assert [row["T"] for row in att["rows"]] == [512, 1024, 2048, 4096]
     for row in att["rows"]:
         assert row["full_s"] > 0 and row["nash_s"] > 0 and row["ratio"] == pytest.approx(row["nash_s"] / row["full_s"])
     md = (tmp_path / "latest.md").read_text()
     assert "## 3. Attention cost" in md and "## 4. Data" in md and "500x" in md and "Machine:" in md
+    assert "Not shown: a result of an older bench/run.py" in md and "re-run it with `--only xla`" in md
     assert not list(tmp_path.glob("*.tmp"))  # atomic writes leave no temporary files
 
 
