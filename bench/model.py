@@ -141,10 +141,10 @@ def make_config(args, variant: str, **over):
     module, variant = model_module(args, variant)
     variant, settings = split_variant(variant, module)
     ModelConfig = module.ModelConfig
-    base = dict(vocab_size=args.vocab, d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads,
-                n_kv_heads=args.n_kv_heads, max_seq_len=args.seq, mhc_streams=4, nash_scales=3,
-                nash_compression=4, nash_window=getattr(args, "window", 64), nash_iters=3,
-                sinkhorn_iters=args.sinkhorn_iters)
+    base = getattr(args, "base_model", None) or dict(
+        vocab_size=args.vocab, d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads,
+        n_kv_heads=args.n_kv_heads, max_seq_len=args.seq, mhc_streams=4, nash_scales=3, nash_compression=4,
+        nash_window=getattr(args, "window", 64), nash_iters=3, sinkhorn_iters=args.sinkhorn_iters)
     extra = dict(stream_dtype=args.stream_dtype) if getattr(args, "stream_dtype", None) else {}
     return ModelConfig(**{**base, **extra, **VARIANTS[variant], **settings, **over})
 

@@ -424,9 +424,11 @@ def speed(args, budget: dict) -> dict:
     demo = demo_model_config(args)
     rows = []
     for seq, batch in budget["shapes"]:
-        ns = argparse.Namespace(variants=list(VARIANTS), vocab=demo.vocab_size, d_model=demo.d_model,
-                                n_layers=demo.n_layers, n_heads=demo.n_heads, n_kv_heads=demo.n_kv_heads,
-                                sinkhorn_iters=demo.sinkhorn_iters, batch=batch, seq=seq,
+        # the snapshot's whole model section (streams, scales, window, mHC-lite, ...), as the
+        # learning section trains it; the variants take their settings away from it
+        ns = argparse.Namespace(variants=list(VARIANTS), base_model={**demo.to_dict(), "max_seq_len": seq},
+                                vocab=demo.vocab_size, d_model=demo.d_model, n_layers=demo.n_layers,
+                                n_heads=demo.n_heads, n_kv_heads=demo.n_kv_heads, batch=batch, seq=seq,
                                 warmup=budget["warmup"], repeats=budget["repeats"])
         print(f"  speed: CPU, seq {seq} x batch {batch} ...", flush=True)
         res = time_variants(ns)
