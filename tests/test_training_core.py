@@ -116,8 +116,10 @@ def test_string_keys_take_an_override_as_written(tmp_path):
     p = write(tmp_path, "training: {max_steps: 3}\n")
     cfg = load_config(p, ["checkpoint.dir=0100", "logging.wandb.run_name=2024_01", "data.dir=on"])
     assert (cfg.checkpoint.dir, cfg.logging.wandb.run_name, cfg.data.dir) == ("0100", "2024_01", "on")
-    cfg = load_config(p, ["logging.wandb.run_name=null", "training.max_steps=0x10", "checkpoint.dir='0100'"])
+    cfg = load_config(p, ["logging.wandb.run_name=null", "training.max_steps=0x10", "checkpoint.dir='0100'",
+                          "data.dir=!!str 0200"])
     assert cfg.logging.wandb.run_name is None and cfg.training.max_steps == 16 and cfg.checkpoint.dir == "0100"
+    assert cfg.data.dir == "0200"  # a YAML tag is YAML's reading, as in a config file
     with pytest.raises(ConfigError, match="^model: expected a mapping of keys, got 5$"):
         load_config(None, ["model=5", "training.max_steps=3"])
     # the later override trips over the earlier one: the message shows both

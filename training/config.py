@@ -393,7 +393,8 @@ def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
             value = yaml.safe_load(raw) if raw != "" else ""
         except yaml.YAMLError:
             value = raw
-        quoted = raw.strip()[:1] in ("'", '"') and isinstance(value, str)
+        # quoted or tagged (!!str 0100): the text YAML reads, not the text as written
+        quoted = raw.strip()[:1] in ("'", '"', "!") and isinstance(value, str)
         out.append((key.strip(), value if isinstance(value, (dict, list)) else _Scalar(raw, value, quoted)))
     return out
 
