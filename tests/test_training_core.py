@@ -267,6 +267,15 @@ def test_sampler_epochs_are_seeded_permutations():
     s.set_position(1, 0)
     e1 = list(s)
     assert sorted(e0) == sorted(e1) == list(range(50)) and e0 != e1
+    # from the start of an epoch, torch's DistributedSampler's order (ours keeps it as int32)
+    from torch.utils.data import DistributedSampler
+    for replicas in (1, 3):
+        for rank in range(replicas):
+            ours = ResumableSampler(Range(50), replicas, rank, seed=5)
+            ours.set_position(2, 0)
+            theirs = DistributedSampler(Range(50), replicas, rank, shuffle=True, seed=5, drop_last=True)
+            theirs.set_epoch(2)
+            assert list(ours) == list(theirs) and all(type(i) is int for i in ours)
 
 
 def test_token_windows_match_shards(stdlib_data):

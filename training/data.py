@@ -152,12 +152,14 @@ class ResumableSampler(DistributedSampler):
         if self.shuffle:
             g = torch.Generator()
             g.manual_seed(self.seed + self.epoch)
-            return torch.randperm(n, generator=g)
+            # int32 while it fits: half the memory (4 bytes a sample: 2 GB on every process for
+            # 500M samples, 2T tokens of 4096), and the same permutation as int64's
+            return torch.randperm(n, generator=g, dtype=torch.int32 if n < 2 ** 31 else torch.int64)
         return torch.arange(n)
 
     def __iter__(self):
-        # The epoch's order stays one int64 tensor (8 bytes a sample; as a Python list it was ~36,
-        # on every rank); this replica's positions are a view of it, handed out in chunks.
+        # The epoch's order stays one tensor (4 bytes a sample; as a Python list it was ~36, on
+        # every rank); this replica's positions are a view of it, handed out in chunks.
         order = self._order()
         usable = (len(order) // self.num_replicas) * self.num_replicas  # drop_last
         mine = order[self.start + self.rank:usable:self.num_replicas]
