@@ -19,8 +19,10 @@ from hypothesis import settings
 # the example database, so every CI run draws the same examples. "dev" (the default): a new random
 # draw each run, so local runs keep exploring; a failure prints its seed, and
 # `pytest --hypothesis-seed=N` replays a draw.
-settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
-settings.register_profile("dev", print_blob=True)
+# No deadline in either: a stalled example on a loaded machine is not a failure (registering "ci"
+# replaces Hypothesis's own, which has none).
+settings.register_profile("ci", derandomize=True, database=None, print_blob=True, deadline=None)
+settings.register_profile("dev", print_blob=True, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -48,16 +48,15 @@ def run(args, env=None, **kw):
                           text=True, timeout=600, **kw)
 
 
-def wait_for_step(run_dir: Path, proc, step: int, timeout=300):
-    """Block until metrics.jsonl has ``step`` lines (or the process ended)."""
+def wait_for_file(path: Path, proc, timeout=300) -> None:
+    """Block until ``path`` exists; an AssertionError if ``proc`` ends first."""
     t0 = time.time()
-    while time.time() - t0 < timeout:
+    while not path.exists():
         if proc.poll() is not None:
-            return
-        if len(metrics(run_dir)) >= step:
-            return
+            raise AssertionError(f"the run ended (exit {proc.returncode}) before {path} appeared")
+        if time.time() - t0 > timeout:
+            raise TimeoutError(f"{path} did not appear in {timeout} s")
         time.sleep(0.05)
-    raise TimeoutError(f"run did not reach step {step}")
 
 
 def patched_script(tmp_path: Path, patch: str, args) -> Path:
@@ -72,10 +71,39 @@ def patched_script(tmp_path: Path, patch: str, args) -> Path:
     return script
 
 
+def patched_env(tmp_path: Path, patch: str) -> dict:
+    """``ENV`` in which every Python interpreter runs ``patch`` at start-up (a ``sitecustomize``):
+    for worker processes that a launcher starts fresh (train_xla.py's xmp.spawn), which
+    ``patched_script``'s patch does not reach."""
+    site = tmp_path / "site"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(f"import sys\nsys.path.insert(0, {str(ROOT)!r})\n{patch}")
+    return {**ENV, "PYTHONPATH": os.pathsep.join(p for p in (str(site), ENV.get("PYTHONPATH")) if p)}
+
+
 def run_patched(tmp_path: Path, patch: str, args, env=None):
     """``patched_script`` run in a fresh interpreter."""
     return subprocess.run([sys.executable, str(patched_script(tmp_path, patch, args))], cwd=ROOT,
                           env=env or ENV, capture_output=True, text=True, timeout=600)
+
+
+def wait_for_a_signal_at_step(step: int, marker: Path, rank: str | None = None) -> str:
+    """A ``patched_script`` patch: as optimiser step ``step`` starts (1-based), the process (only
+    torchrun's RANK ``rank``, if given) creates ``marker`` and waits until a stop signal has reached
+    it. A test sends the signal from outside once ``marker`` exists (``wait_for_file``): the run
+    stops at that step whatever the machine's load, through the real delivery path (a launcher
+    that forwards the signal, a signal to one worker)."""
+    only = f' and os.environ.get("RANK") == "{rank}"' if rank is not None else ""
+    return ("import os, time\nfrom pathlib import Path\nfrom training.loop import STOP, Trainer\n"
+            "train_step = Trainer.train_step\n"
+            "def train_step_waiting_for_a_signal(self, lr):\n"
+            f"    if self.state.step == {step - 1}{only}:\n"
+            f"        Path({str(marker)!r}).touch()\n"
+            "        give_up = time.monotonic() + 300\n"
+            "        while not STOP.requested and time.monotonic() < give_up:\n"
+            "            time.sleep(0.01)\n"
+            "    return train_step(self, lr)\n"
+            "Trainer.train_step = train_step_waiting_for_a_signal\n")
 
 
 def sigterm_during_step(step: int, rank: str | None = None) -> str:

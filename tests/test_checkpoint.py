@@ -382,5 +382,5 @@ def test_processes_resuming_from_one_file_share_it():
 
     r = resume_memory(2, d_model=128, layers=2)
     added = {how: r[how]["private_mib"] - r["nothing"]["private_mib"] for how in ("load_checkpoint", "torch.load")}
-    assert added["torch.load"] >= 0.9 * r["file_mib"]  # the measurement sees a private copy
+    assert added["torch.load"] >= 0.8 * r["file_mib"]  # the measurement sees a private copy (~0.92 measured)
     assert added["load_checkpoint"] <= 0.1 * r["file_mib"], (added, r)

@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from helpers import ENV, ROOT, losses, metrics, run, run_patched, sigterm_during_step, tiny_config, wait_for_step
+from helpers import (ENV, ROOT, losses, metrics, patched_env, run, run_patched, sigterm_during_step, tiny_config,
+                     wait_for_a_signal_at_step, wait_for_file)
 
 pytest.importorskip("torch_xla")
 pytestmark = pytest.mark.xla
@@ -110,15 +111,16 @@ def test_exact_resume_after_sigterm(tmp_path, stdlib_data):
     over = {"checkpoint.interval": 0}
     r = run(["train_xla.py", str(tiny_config(ref, stdlib_data, **over))])
     assert r.returncode == 0, r.stderr[-3000:]
-    cfg = tiny_config(cut, stdlib_data, **over)
-    proc = subprocess.Popen([sys.executable, "train_xla.py", str(cfg)], cwd=ROOT, env=ENV,
+    cfg, at6 = tiny_config(cut, stdlib_data, **over), tmp_path / "at-step-6"
+    proc = subprocess.Popen([sys.executable, "train_xla.py", str(cfg)], cwd=ROOT,
+                            env=patched_env(tmp_path, wait_for_a_signal_at_step(6, at6)),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    wait_for_step(cut / "run", proc, 6)
+    wait_for_file(at6, proc)
     proc.send_signal(signal.SIGTERM)  # to the launcher: it forwards to the xmp.spawn worker
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
     stopped = max(losses(cut / "run"))
-    assert 6 <= stopped < 20 and (cut / "run" / f"ckpt_{stopped:08d}.pt").exists()
+    assert stopped == 6 and (cut / "run" / "ckpt_00000006.pt").exists(), err[-3000:]
     r = run(["train_xla.py", str(cfg)])
     assert r.returncode == 0 and "resumed from" in r.stderr, r.stderr[-3000:]
     a, b = losses(ref / "run"), losses(cut / "run")

@@ -580,10 +580,15 @@ def _tb_losses(tb_dir):
     return {e.step: e.value for e in acc.Scalars("loss")}
 
 
-def test_resumed_logs_keep_the_checkpoint_step_and_redo_the_rest(tmp_path):
+def test_resumed_logs_keep_the_checkpoint_step_and_redo_the_rest(tmp_path, monkeypatch):
     """A run logs steps 1-6 and dies; its checkpoint is at step 3. The resumed run logs 4-6 again:
     metrics.jsonl and TensorBoard (as its reader purges) hold 1-3 from the first run, 4-6 from the
     second, each step once."""
+    # TensorBoard reads a directory's event files in name order: time (s), host, pid, then a
+    # per-process writer count. Two writers of one process in one second sort by that count, as
+    # text ("10" before "9"): counts of one width keep them in the order they were made
+    from tensorboard.summary.writer import event_file_writer
+    monkeypatch.setattr(event_file_writer, "_global_uid", event_file_writer.AtomicCounter(100))
     m = _monitor(tmp_path, 0)
     for step in range(1, 7):
         m.log(step, {"loss": float(step)})
@@ -728,4 +733,7 @@ def test_data_workers_leave_stop_signals_to_the_trainer(stdlib_data):
     assert all(w.is_alive() for w in workers)
     for _ in range(10):
         assert next(stream)[0].shape == x0.shape
+    # a worker that died of the signals but took long to exit under load still counted as alive
+    # above; the batches came after the signals, and no worker has exited
+    assert all(w.exitcode is None for w in workers)
     stream.close()
