@@ -320,8 +320,10 @@ class Corpus:
         """The records of a JSON-lines file, one line at a time with Python's json: pyarrow (through
         datasets) refuses the whole file for one record with an escaped lone surrogate and
         counts its rows from 0; here such a record is skipped with a warning, and a line that is
-        not a JSON object is an error naming its line. Blank lines are no records."""
-        col, first = self.text_column, True
+        not a JSON object is an error naming its line. Blank lines are no records. A record
+        without the text column is an empty document; a file in which no record of the first
+        RECORD_BATCH lines has it is an error (a wrong --text-column, found early)."""
+        col, found, columns = self.text_column, False, None
         with open(path, "rb") as f:
             for line_no, line in enumerate(f, 1):
                 if not line.strip():
@@ -332,13 +334,15 @@ class Corpus:
                     raise DataError(f"{path}: line {line_no} is not a JSON record ({one_line(e)})") from None
                 if not isinstance(rec, dict):
                     raise DataError(f"{path}: line {line_no} is a JSON {type(rec).__name__}, not a record (object)")
-                if first and col not in rec:
-                    raise DataError(f"{path}: no text column {col!r} (columns: {', '.join(rec)}); "
-                                    f"use --text-column")
-                first = False
+                found = found or col in rec
+                columns = columns or list(rec)
+                if not found and line_no >= RECORD_BATCH:
+                    break
                 doc = self._record_text(str(path), f"line {line_no}", rec.get(col))
                 if doc is not None:
                     yield doc
+        if columns is not None and not found:
+            raise DataError(f"{path}: no text column {col!r} (columns: {', '.join(columns)}); use --text-column")
 
     def _record_text(self, where: str, which: str, text) -> tuple[str, bytes] | None:
         """(text, its UTF-8 bytes) of one record's text field, None for one skipped with a warning."""

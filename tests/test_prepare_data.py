@@ -369,7 +369,8 @@ def test_jsonl_and_parquet_with_text_column(tmp_path):
     src = tmp_path / "src"
     src.mkdir()
     records = [f"record {i}: " + "word " * i for i in range(30)]
-    write_jsonl(src / "a.jsonl", [{"body": t, "n": i} for i, t in enumerate(records[:20])]
+    # a record without the column (here the first) is an empty document, as one whose text is null
+    write_jsonl(src / "a.jsonl", [{"n": -1}] + [{"body": t, "n": i} for i, t in enumerate(records[:20])]
                 + [{"body": None, "n": 99}, {"body": "", "n": 100}])
     pq.write_table(pa.table({"body": records[20:], "n": list(range(10))}), src / "b.parquet")
     (src / "notes.txt").write_text("a plain text file is one document")
@@ -378,8 +379,13 @@ def test_jsonl_and_parquet_with_text_column(tmp_path):
     assert run("--input", src, "--text-column", "body", "--vocab-size", 300, "--out", out) == 0
     assert all_documents(out) == Counter(records + ["a plain text file is one document"])
     meta = meta_of(out)
-    assert meta["empty_documents_dropped"] == 2
+    assert meta["empty_documents_dropped"] == 3
     assert meta["inputs"] == [{"path": str(src), "files": 4}]
+    # a wrong --text-column is found within the first lines of a long file, not at its end
+    write_jsonl(src / "d.jsonl", [{"body": "x"}] * (prepare_data.RECORD_BATCH + 5000))
+    (src / "d.jsonl").write_text((src / "d.jsonl").read_text() + "{not json\n")
+    with pytest.raises(prepare_data.DataError, match="d.jsonl: no text column 'text' \\(columns: body\\)"):
+        list(prepare_data.Corpus([src / "d.jsonl"], None, None, "train", "text", None).documents())
 
 
 def test_record_files_are_read_as_named_and_a_bad_record_is_skipped(tmp_path, capsys):
