@@ -56,6 +56,17 @@ def test_xla_prediction_counts_attention_scores_as_the_math_path_makes_them():
     assert measured > measure_step_peak(cfg)  # the scores cost memory a fused kernel does not
 
 
+def test_predicted_muon_step_peak_is_the_measured_one_at_depth():
+    """Muon orthogonalises the matrices of one shape stacked over every layer: its update's
+    temporaries grow with depth, and the plan, which traces three blocks and deepens them, traces
+    the update on the full-depth model (it was 0.71 of the measured peak at eight blocks)."""
+    cfg = small_config(dict(DEMO, n_layers=8, mhc_streams=1, activation_checkpointing=True), batch=1, seq=64,
+                       optimizer="muon")
+    measured = measure_step_peak(cfg)
+    predicted = P.predict_step_peak(cfg)
+    assert abs(predicted / measured - 1) < 0.01, (predicted, measured)
+
+
 def _phases(trace, layout):
     per_chip = trace.per_chip(layout)
     return {P.PHASES[p]: per_chip[trace.phases == p] for p in set(trace.phases.tolist())}
@@ -66,14 +77,14 @@ def _phases(trace, layout):
     dict(activation_checkpointing=True),
     dict(activation_checkpointing=True, gradient_accumulation_steps=2, precision="bf16"),
     dict(mhc_streams=1, loss_chunk=48, precision="bf16"),
-], ids=["plain", "ckpt", "ckpt-accum-bf16", "1-stream-chunked-bf16"])
+    dict(activation_checkpointing=True, optimizer="muon"),
+], ids=["plain", "ckpt", "ckpt-accum-bf16", "1-stream-chunked-bf16", "ckpt-muon"])
 @pytest.mark.parametrize("evaluation", [False, True], ids=["train", "eval"])
 def test_deepened_trace_equals_a_direct_trace(over, evaluation):
     """Three traced blocks stretched to eight give, op by op, the memory of tracing all eight:
-    equal in the backward pass, a few bytes per block apart in the forward (the blocks' stats,
-    stacked at the end, are 20 bytes each); the optimiser's per-tensor ops are not repeated, and
-    its peak is the same."""
-    training = {k: over.pop(k) for k in ("gradient_accumulation_steps", "precision") if k in over}
+    equal in the backward pass and the optimizer step (traced on the full-depth model), a few bytes
+    per block apart in the forward (the blocks' stats, stacked at the end, are 20 bytes each)."""
+    training = {k: over.pop(k) for k in ("gradient_accumulation_steps", "precision", "optimizer") if k in over}
     cfg = small_config(dict(DEMO, n_layers=8, **over), batch=2, seq=64, **training)
     device = P.device_for("v4", "xla")
     layout = dataclasses.replace(P.layout_for(cfg, "xla", None), mode="spmd",
@@ -82,11 +93,8 @@ def test_deepened_trace_equals_a_direct_trace(over, evaluation):
     direct = _phases(P.trace_step(cfg, layout, device, evaluation=evaluation, deepen=False), layout)
     assert deep.keys() == direct.keys()
     for phase in deep:
-        if phase == "optimizer":
-            assert abs(deep[phase].max() - direct[phase].max()) <= 1024
-            continue
         assert deep[phase].shape == direct[phase].shape, phase
-        assert np.abs(deep[phase] - direct[phase]).max() <= (0 if phase == "backward" else 1024), phase
+        assert np.abs(deep[phase] - direct[phase]).max() <= (1024 if phase in ("forward", "evaluation") else 0), phase
 
 
 def test_sharded_state_is_divided_and_activations_are_not():

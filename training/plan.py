@@ -253,9 +253,10 @@ class _Recorder(TorchDispatchMode):
     temporary) the owning parameter's partition spec, and when it is freed.
 
     Rows: row 0 is the state before the step, row i the state after the i-th op that created a
-    storage (views and in-place ops create none). A storage freed before that op ends counts until
-    the row before it. An op that mixes a parameter-owned tensor with activations (a matmul with a
-    weight) is noted too, so that an SPMD layout can add that weight's all-gather for the op.
+    storage (views and in-place ops create none) or where a phase began. A storage freed before
+    that op ends (or before the phase begins) counts until the row before it. An op that mixes a
+    parameter-owned tensor with activations (a matmul with a weight) is noted too, so that an SPMD
+    layout can add that weight's all-gather for the op.
     ``mark(name)`` remembers where the rows stand (block boundaries).
     """
 
@@ -325,9 +326,19 @@ class _Recorder(TorchDispatchMode):
         self._where = where
 
     def enter(self, phase: str) -> None:
+        """A phase begins: a row of its own, the state that the phase's first op finds (what was
+        freed before it, such as the forward's outputs before the optimizer step, is gone)."""
         self.phase = PHASES.index(phase)
         if phase == "optimizer":
             self._where = "optimizer"
+        self._row("")
+
+    def _row(self, op_name: str) -> None:
+        self.op += 1
+        self.ops.append(op_name)
+        self.phases.append(self.phase)
+        node = torch._C._current_autograd_node()
+        self.where.append(self._where if node is None or self._where else node.name())
 
     def mark(self, name: str) -> None:
         self.marks.setdefault(name, self.op)
@@ -344,11 +355,7 @@ class _Recorder(TorchDispatchMode):
                    if isinstance(o, torch.Tensor) and o.untyped_storage() not in self._info]
         if not outputs:
             return out  # views, in-place ops, queries: nothing new to count
-        self.op += 1
-        self.ops.append(str(func))
-        self.phases.append(self.phase)
-        node = torch._C._current_autograd_node()
-        self.where.append(self._where if node is None or self._where else node.name())
+        self._row(str(func))
         owned, plain = [], False
         for a in _tensors(args, kwargs):
             if a.numel() <= 1:
@@ -513,6 +520,32 @@ class Trace:
         return dataclasses.replace(self, live=live, gathered=self.gathered[source], phases=self.phases[source],
                                    ops=[self.ops[i] for i in source], where=where, source=source)
 
+    def with_optimizer(self, step: "Trace") -> "Trace":
+        """This deepened trace with its optimizer phase replaced by ``step``'s, the optimizer step
+        alone on the full-depth model (``_trace(optimizer_only=True)``): the deepened trace updates
+        the three traced blocks' parameters only, and an update's temporaries grow with depth
+        (Muon orthogonalises the matrices of one shape stacked over every layer). ``step``'s
+        changes to the memory are added to the state this trace reaches as its optimizer phase
+        begins; that needs no activations."""
+        opt = PHASES.index("optimizer")
+        first, step_first = int(np.argmax(self.phases == opt)), int(np.argmax(step.phases == opt))
+        columns = self.columns + [c for c in step.columns if c not in self.columns]
+        into = [columns.index(c) for c in step.columns]
+
+        def widen(rows):
+            return np.pad(rows, ((0, 0), (0, len(columns) - len(self.columns))))
+
+        live = np.repeat(widen(self.live[first:first + 1]), len(step.live) - step_first, axis=0)
+        live[:, into] += step.live[step_first:] - step.live[step_first]
+        gathered = widen(np.zeros((len(live), len(self.columns))))
+        gathered[:, into] = step.gathered[step_first:]
+        return dataclasses.replace(
+            self, columns=columns, live=np.concatenate([widen(self.live[:first]), live]),
+            gathered=np.concatenate([widen(self.gathered[:first]), gathered]),
+            phases=np.concatenate([self.phases[:first], step.phases[step_first:]]),
+            ops=self.ops[:first] + step.ops[step_first:], where=self.where[:first] + step.where[step_first:],
+            source=np.concatenate([self.source[:first], np.full(len(live), self.source[first])]))
+
     def scales(self, layout: Layout) -> tuple[np.ndarray, np.ndarray]:
         """Per-column factors that turn traced bytes into one chip's bytes, and the share of a
         gathered weight that was not on the chip before its all-gather."""
@@ -564,8 +597,9 @@ def trace_step(cfg: Config, layout: Layout, device: Device, micro_batch: Optiona
     ``gradient_accumulation_steps > 1``), or with ``evaluation`` one validation forward, at
     ``micro_batch`` sequences per chip (default: the layout's).
 
-    A model deeper than three blocks is traced with three and deepened (``Trace.deepen``): the
-    same numbers at a fraction of the time; ``deepen=False`` traces every block.
+    A model deeper than three blocks is traced with three and deepened (``Trace.deepen``), its
+    optimizer step traced alone at full depth (``Trace.with_optimizer``): the same numbers at a
+    fraction of the time; ``deepen=False`` traces every block.
     """
     key = repr((cfg.model, cfg.data.seq_len, cfg.training, cfg.xla.scan_layers, layout.entry, device.compiler,
                 micro_batch or layout.micro_batch, evaluation, deepen))
@@ -589,6 +623,8 @@ def _trace_step(cfg, layout, device, micro_batch, evaluation, deepen) -> Trace:
         if not evaluation:
             needed |= {f"backward {k}" for k in ("0", "1", "2", "top")}
         trace = trace.deepen(n_layers, per_layer) if needed <= trace.marks.keys() else None
+        if trace is not None and not evaluation:
+            trace = trace.with_optimizer(_trace(cfg, layout, device, micro_batch, False, optimizer_only=True)[0])
     if trace is None:
         trace = _trace(cfg, layout, device, micro_batch, evaluation)[0]
     return dataclasses.replace(trace, unsharded=_fsdp2_unsharded_bytes(cfg.model))
@@ -604,10 +640,12 @@ def _fsdp2_unsharded_bytes(mcfg: ModelConfig) -> float:
 
 
 def _trace(cfg: Config, layout: Layout, device: Device, micro_batch: Optional[int],
-           evaluation: bool, n_layers: Optional[int] = None) -> tuple[Trace, np.ndarray]:
+           evaluation: bool, n_layers: Optional[int] = None,
+           optimizer_only: bool = False) -> tuple[Trace, np.ndarray]:
     """The trace, and the bytes per column that block 1's weights, optimiser state and
     (accumulating) gradients hold. ``n_layers``: the depth of the model this trace stands for
-    (it may trace fewer blocks and be deepened).
+    (it may trace fewer blocks and be deepened). ``optimizer_only``: the optimizer step alone,
+    from every gradient present (``Trace.with_optimizer``).
 
     With ``xla.scan_layers`` (train_xla.py) the blocks run as one loop over their parameters
     stacked into ``[n_layers, ...]`` tensors (xla_backend.ScanBlocks): that stacked copy exists
@@ -656,7 +694,8 @@ def _trace(cfg: Config, layout: Layout, device: Device, micro_batch: Optional[in
             count(t, INPUTS, None)
         if evaluation:
             model.eval()
-        elif accum > 1:  # a middle or last micro-step: every gradient exists already
+        elif accum > 1 or optimizer_only:  # a middle or last micro-step, or the update alone:
+            # every gradient exists already
             for p in params:
                 p.grad = torch.zeros_like(p)
                 count(p.grad, GRADS, specs[id(p)], p)
@@ -671,9 +710,9 @@ def _trace(cfg: Config, layout: Layout, device: Device, micro_batch: Optional[in
             stacked.extend(p.new_empty((depth, *p.shape)) for p in model.blocks[0].parameters())
 
         def enter(phase):
-            rec.enter(phase)
             if phase == "optimizer":
                 stacked.clear()
+            rec.enter(phase)
 
         def top_of_backward(grad):
             rec.mark("backward top")
@@ -709,6 +748,11 @@ def _trace(cfg: Config, layout: Layout, device: Device, micro_batch: Optional[in
                     with torch.no_grad(), _autocast(amp):
                         loss = model(x, y).loss.float()
                     del loss
+                elif optimizer_only:
+                    loss = torch.zeros(())  # the step's loss, alive until the step ends
+                    enter("optimizer")
+                    optimizer_step(optimizer, params, loss, cfg.training.grad_clip)
+                    del loss
                 else:
                     training_step(model, optimizer, params, x, y, accum, amp, cfg.training.grad_clip,
                                   enter)
@@ -741,17 +785,23 @@ def _autocast(dtype):
 def training_step(model, optimizer, params, x, y, accum: int, amp, grad_clip: float,
                   enter=lambda phase: None) -> None:
     """The tensors of ``training.loop.train``'s step, in its order and with its lifetimes: one
-    micro-step (forward under autocast, the logits dropped, backward), then clipping, the update
-    and ``zero_grad``. ``enter(phase)`` is called as each phase starts."""
+    micro-step (forward under autocast, the logits dropped, backward), then ``optimizer_step``.
+    ``enter(phase)`` is called as each phase starts."""
     enter("forward")
     with _autocast(amp):
         out = model(x, y)
     out.logits = None
     enter("backward")
     (out.loss / accum).backward()
-    enter("optimizer")
     loss = out.loss.detach().float()
     del out
+    enter("optimizer")
+    optimizer_step(optimizer, params, loss, grad_clip)
+
+
+def optimizer_step(optimizer, params, loss, grad_clip: float) -> None:
+    """The end of ``training.loop.train``'s step: clipping, the update (skipped, without a host
+    sync, where the loss or the gradient norm is not finite) and ``zero_grad``."""
     grads = [p.grad for p in params if p.grad is not None]
     grad_norm = torch.nn.utils.get_total_norm(grads)
     if grad_clip > 0:
