@@ -81,11 +81,13 @@ def live_bytes(*objs) -> int:
     return total
 
 
-def measure_step_peak(cfg: Config, seed: int = 0, entry: str = "torch") -> int:
+def measure_step_peak(cfg: Config, seed: int = 0, entry: str = "torch", ddp: bool = False) -> int:
     """Peak bytes of one real training step on the CPU (training.plan.training_step): what is alive
     before the step plus the highest point of the allocator's running count during it. ``entry``
     "torch" runs it as train.py does (fused AdamW, the CPU's fused attention); "xla" with what the
-    XLA backend and compiler use instead (the tensor-op AdamW, attention as ATen's math path)."""
+    XLA backend and compiler use instead (the tensor-op AdamW, attention as ATen's math path).
+    ``ddp``: the model wrapped as train.py wraps it under torchrun (a process group must exist);
+    what DDP allocates when it is built (its gradient buckets) counts as alive before the step."""
     import contextlib
 
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -103,16 +105,26 @@ def measure_step_peak(cfg: Config, seed: int = 0, entry: str = "torch") -> int:
     y = torch.randint(0, cfg.model.vocab_size, shape, generator=g)
     amp = torch.bfloat16 if cfg.training.precision == "bf16" else None
     accum = cfg.training.gradient_accumulation_steps
+    held, net = 0, model
+    if ddp:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+            net = DDP(model, gradient_as_bucket_view=True)
+        held = sum(size for _, size in _allocations(prof))
     with attention():
-        training_step(model, optimizer, params, x, y, accum, amp, cfg.training.grad_clip)  # state exists
+        training_step(net, optimizer, params, x, y, accum, amp, cfg.training.grad_clip)  # state exists
     del optimizer.found_inf  # (would be freed during the measured step, allocated before it)
-    if accum > 1:
+    if accum > 1 and ddp:  # a middle or last micro-step: the gradients are views of the buckets
+        with attention():
+            (net(x, y).loss / accum).backward()
+    elif accum > 1:
         for p in params:
             p.grad = torch.zeros_like(p)
-    before = live_bytes(model, optimizer, x, y, *(p.grad for p in params if p.grad is not None))
+    grads = [] if ddp else [p.grad for p in params if p.grad is not None]
+    before = held + live_bytes(model, optimizer, x, y, *grads)
     with attention(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
                                            profile_memory=True) as prof:
-        training_step(model, optimizer, params, x, y, accum, amp, cfg.training.grad_clip)
+        training_step(net, optimizer, params, x, y, accum, amp, cfg.training.grad_clip)
     running = highest = 0
     for _, size in _allocations(prof):
         running += size

@@ -67,6 +67,27 @@ def test_predicted_muon_step_peak_is_the_measured_one_at_depth():
     assert abs(predicted / measured - 1) < 0.01, (predicted, measured)
 
 
+@pytest.mark.parametrize("accum", [1, 2])
+def test_train_py_ddp_counts_the_gradient_buckets_from_the_start(tmp_path, accum):
+    """train.py under torchrun wraps the model in DDP, whose reducer allocates a bucket per
+    gradient when it is built and holds it all run (p.grad becomes a view of it): the gradients
+    are there in the forward and in evaluation. Measured on a one-process gloo group, which holds
+    what each process of a larger one holds; the plan counted the gradients only when they were
+    made in the backward (or accumulated), and planned evaluation without them."""
+    import torch.distributed as dist
+    cfg = small_config(dict(DEMO, n_layers=2), batch=2, seq=64, gradient_accumulation_steps=accum)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        measured = measure_step_peak(cfg, ddp=True)
+    finally:
+        dist.destroy_process_group()
+    assert abs(P.predict_step_peak(cfg, world_size=2) / measured - 1) < 0.01
+    plan, _ = P.make_plan(cfg, "torch", P.device_for("cpu", "torch"), world_size=2)
+    with torch.device("meta"):
+        grads = sum(p.numel() * 4 for p in NashMHC(cfg.model).parameters())
+    assert plan.train.parts["gradients"] == plan.evaluation.parts["gradients"] == grads
+
+
 def _phases(trace, layout):
     per_chip = trace.per_chip(layout)
     return {P.PHASES[p]: per_chip[trace.phases == p] for p in set(trace.phases.tolist())}

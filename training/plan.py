@@ -194,6 +194,12 @@ class Layout:
             return 1 if spec == NEVER_SHARDED else self.chips
         return shard_factor(state_partition_spec(spec, self.zero), self.mesh)
 
+    @property
+    def gradient_buckets(self) -> bool:
+        """train.py's DDP, with more than one process (backend.py): every gradient in a bucket
+        alive from the start of the run, evaluation included."""
+        return self.entry == "torch" and self.mode == "ddp" and self.chips > 1
+
     def describe(self) -> str:
         if self.mode == "spmd":
             m = self.mesh
@@ -602,7 +608,7 @@ def trace_step(cfg: Config, layout: Layout, device: Device, micro_batch: Optiona
     fraction of the time; ``deepen=False`` traces every block.
     """
     key = repr((cfg.model, cfg.data.seq_len, cfg.training, cfg.xla.scan_layers, layout.entry, device.compiler,
-                micro_batch or layout.micro_batch, evaluation, deepen))
+                layout.gradient_buckets, micro_batch or layout.micro_batch, evaluation, deepen))
     if key not in _TRACES:
         if len(_TRACES) >= 16:
             _TRACES.pop(next(iter(_TRACES)))
@@ -692,15 +698,28 @@ def _trace(cfg: Config, layout: Layout, device: Device, micro_batch: Optional[in
                    for _ in range(2 * XLA_DEVICE_PREFETCH if layout.entry == "xla" else 0)]
         for t in waiting + [x, y]:  # the batch in use, and those prefetched to the device
             count(t, INPUTS, None)
+        # train.py's DDP: the reducer allocates a bucket per gradient when it is built and holds it
+        # all run; backward copies each gradient into its bucket and makes p.grad a view of it
+        buckets = {}
+        for p in params if layout.gradient_buckets else ():
+            buckets[id(p)] = torch.zeros_like(p)
+            count(buckets[id(p)], GRADS, specs[id(p)], p)
         if evaluation:
             model.eval()
         elif accum > 1 or optimizer_only:  # a middle or last micro-step, or the update alone:
             # every gradient exists already
             for p in params:
-                p.grad = torch.zeros_like(p)
+                p.grad = buckets[id(p)] if buckets else torch.zeros_like(p)
                 count(p.grad, GRADS, specs[id(p)], p)
-        hooks = [p.register_post_accumulate_grad_hook(
-            lambda p: rec.retag(p.grad, GRADS, specs[id(p)])) for p in params]
+
+        def accumulated(p):
+            bucket = buckets.get(id(p))
+            if bucket is not None and p.grad is not bucket:
+                bucket.copy_(p.grad)
+                p.grad = bucket
+            rec.retag(p.grad, GRADS, specs[id(p)])
+
+        hooks = [p.register_post_accumulate_grad_hook(accumulated) for p in params]
         stack: list[str] = []
         scan = layout.entry == "xla" and cfg.xla.scan_layers
         depth = n_layers or cfg.model.n_layers
