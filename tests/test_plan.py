@@ -417,6 +417,23 @@ def test_plan_command_line(tmp_path):
     assert steps == 2_500_000_000 // (32 * 4 * 1024 * 8)  # total_tokens / (batch x accumulation x seq x replicas)
 
 
+@pytest.mark.parametrize("name, total, memory", [
+    ("NVIDIA A100-SXM4-80GB", 85_899_345_920, {"a100": 85_899_345_920, "a100-40": 40 * 10 ** 9}),
+    ("NVIDIA A100-SXM4-40GB", 42_505_273_344, {"a100": 80 * 10 ** 9, "a100-40": 42_505_273_344}),
+    ("NVIDIA H100 80GB HBM3", 85_520_809_984, {"h100": 85_520_809_984, "a100": 80 * 10 ** 9}),
+])
+def test_gpu_memory_is_the_installed_gpus_only_for_its_own_kind(monkeypatch, name, total, memory):
+    """--device-kind takes the memory torch.cuda reports only when the GPU installed here is of that
+    kind; another kind keeps its table memory (an A100 80GB host planning for a100-40 got 85.9 GB,
+    "A100" being in both names)."""
+    import types
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: name)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i=0: types.SimpleNamespace(total_memory=total))
+    for kind, nbytes in memory.items():
+        assert P.device_for(kind, "torch").memory == nbytes, kind
+
+
 @pytest.mark.parametrize("accel, nprocs, replicas", [
     ("v4-8", None, 4), ("v5p-16", None, 8),          # the number counts TensorCores: two per chip
     ("v5litepod-16", None, 16), ("v6e-8", None, 8),  # one core per chip

@@ -104,22 +104,32 @@ def device_for(kind: Optional[str], entry: str) -> Device:
     if kind == "cpu":
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         dev = dataclasses.replace(dev, memory=ram, compiler="xla" if entry == "xla" else "eager")
-    elif kind.startswith(("h", "a")) and torch.cuda.is_available() and dev.name.split()[0] in \
-            torch.cuda.get_device_name(0):
+    elif dev.compiler == "eager" and _cuda_kind() == kind:  # planning for the GPU installed here
         dev = dataclasses.replace(dev, memory=torch.cuda.get_device_properties(0).total_memory)
     return dev
+
+
+def _cuda_kind() -> Optional[str]:
+    """The kind of this machine's CUDA GPU; None without one or for a GPU the planner does not know."""
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name(0)
+    for kind in ("h200", "h100", "a100"):
+        if kind.upper() in name.upper():
+            if kind == "a100" and torch.cuda.get_device_properties(0).total_memory < 60 * 10 ** 9:
+                return "a100-40"
+            return kind
+    return None
 
 
 def _present_device_kind(entry: str) -> str:
     """The kind of accelerator on this machine (a CUDA GPU, or the TPU VM's accelerator type), else cpu."""
     if entry == "torch" and torch.cuda.is_available():
-        name = torch.cuda.get_device_name(0)
-        for kind in ("h200", "h100", "a100"):
-            if kind.upper() in name.upper():
-                if kind == "a100" and torch.cuda.get_device_properties(0).total_memory < 60 * 10 ** 9:
-                    return "a100-40"
-                return kind
-        raise ConfigError(f"the GPU here ({name}) is not one the planner knows: pass --device-kind")
+        kind = _cuda_kind()
+        if kind is None:
+            raise ConfigError(f"the GPU here ({torch.cuda.get_device_name(0)}) is not one the planner "
+                              "knows: pass --device-kind")
+        return kind
     if entry == "xla":
         accel = tpu_accelerator_type()
         if accel:
