@@ -317,6 +317,20 @@ def test_plan_of_a_config_that_does_not_fit_offers_levers_that_make_it_fit(capsy
     assert code == 0 and announced in out, (announced, out)
 
 
+def test_mesh_lever_keeps_data_a_multiple_of_dcn_data():
+    """Moving chips from data to fsdp stops where data would no longer span the dcn_data slices
+    (it went on to data 1, a config train_xla.py refuses); every lever's overrides load."""
+    over = ["xla.mode=spmd", "xla.mesh.data=8", "xla.mesh.fsdp=1", "xla.mesh.dcn_data=2",
+            "training.batch_size=16"]
+    cfg = load_config(ROOT / "configs" / "demo.yaml", over)
+    plan, trace = P.make_plan(cfg, "xla", P.device_for("v5e", "xla"), margin=0.9999)
+    levers = P.find_levers(plan, "xla", trace)
+    meshes = [lev.overrides for lev in levers if lev.overrides[0].startswith("xla.mesh.data=")]
+    assert meshes == [["xla.mesh.data=4", "xla.mesh.fsdp=2"], ["xla.mesh.data=2", "xla.mesh.fsdp=4"]]
+    for i in range(len(levers)):
+        load_config(ROOT / "configs" / "demo.yaml", over + [o for lev in levers[:i + 1] for o in lev.overrides])
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--device-kind", "v7"], "--device-kind 'v7': expected one of"),
     (["--device-kind", "h100"], "train_xla.py plans for TPUs"),

@@ -997,7 +997,8 @@ def find_levers(plan: Plan, entry: str, train_trace: Trace) -> list[Lever]:
         peak = max(train_peak, eval_peak)
         out.append(Lever([override], why, peak))
     if layout.mode == "spmd":  # move chips from data to fsdp: same per-chip batch, less state per chip
-        while not fits(peak) and layout.mesh["data"] > 1 and layout.mesh["data"] % 2 == 0:
+        # data halves while it stays a multiple of dcn_data (it spans that many slices)
+        while not fits(peak) and layout.mesh["data"] % (2 * cfg.xla.mesh.dcn_data) == 0:
             m = dict(layout.mesh, data=layout.mesh["data"] // 2, fsdp=layout.mesh["fsdp"] * 2)
             layout = dataclasses.replace(layout, mesh=m, zero=cfg.xla.shard_optimizer_over_data and m["data"] > 1)
             cfg = _with(cfg, xla={"mesh": dataclasses.replace(cfg.xla.mesh, data=m["data"], fsdp=m["fsdp"])})
