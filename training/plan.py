@@ -567,6 +567,8 @@ class Trace:
         gathered weight that was not on the chip before its all-gather."""
         s, g = np.ones(len(self.columns)), np.zeros(len(self.columns))
         for i, (kind, spec) in enumerate(self.columns):
+            if kind == COPIES and layout.mode == "fsdp2":
+                continue  # made from the weights FSDP2 gathered whole (``unsharded``): whole too
             if kind in (WEIGHTS, COPIES):
                 s[i] = 1.0 / layout.param_factor(spec)
                 g[i] = 1.0 - s[i]
