@@ -344,6 +344,23 @@ def test_mesh_lever_keeps_data_a_multiple_of_dcn_data():
         load_config(ROOT / "configs" / "demo.yaml", over + [o for lev in levers[:i + 1] for o in lev.overrides])
 
 
+def test_each_lever_announces_the_peak_of_its_config():
+    """Each lever's peak is the plan of the config with its overrides and those above it: the
+    evaluation peak too is the new layout's (the optimizer-sharding and mesh levers reused the
+    first layout's, which, unsharded, decided the announced peak)."""
+    path = ROOT / "configs" / "demo.yaml"
+    over = ["xla.mode=spmd", "xla.mesh.data=8", "xla.mesh.fsdp=1", "training.batch_size=8",
+            "xla.shard_optimizer_over_data=false", "model.d_model=256", "model.vocab_size=16384"]
+    device = P.device_for("v5e", "xla")
+    plan, trace = P.make_plan(load_config(path, over), "xla", device, margin=0.9999)
+    levers = P.find_levers(plan, "xla", trace)
+    assert any(lev.overrides[0].startswith("xla.mesh.data=") for lev in levers)
+    for lev in levers:
+        over += lev.overrides
+        replanned, _ = P.make_plan(load_config(path, over), "xla", device, margin=0.9999)
+        assert lev.peak == pytest.approx(replanned.peak, rel=1e-9), lev.overrides
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--device-kind", "v7"], "--device-kind 'v7': expected one of"),
     (["--device-kind", "h100"], "train_xla.py plans for TPUs"),

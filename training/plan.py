@@ -964,20 +964,18 @@ def find_levers(plan: Plan, entry: str, train_trace: Trace) -> list[Lever]:
     cfg, layout, device = plan.cfg, plan.layout, plan.device
     out: list[Lever] = []
     peak = plan.peak
-    eval_peak = plan.evaluation.total
+    eval_trace = trace_step(cfg, layout, device, evaluation=True)  # make_plan's (cached)
 
     def fits(p):
         return p <= plan.usable
 
-    def retrace(new_cfg, new_layout):
-        tr = trace_step(new_cfg, new_layout, device)
-        ev = trace_step(new_cfg, new_layout, device, evaluation=True)
-        return tr, peak_of(tr, new_layout).total, peak_of(ev, new_layout).total
+    def peak_on(new_layout):  # the same steps on another layout: the same traces, other scales
+        return max(peak_of(train_trace, new_layout).total, peak_of(eval_trace, new_layout).total)
 
     if layout.mode == "spmd" and layout.mesh["data"] > 1 and not layout.zero:
         layout = dataclasses.replace(layout, zero=True)
         cfg = _with(cfg, xla={"shard_optimizer_over_data": True})
-        peak = max(peak_of(train_trace, layout).total, eval_peak)
+        peak = peak_on(layout)
         out.append(Lever(["xla.shard_optimizer_over_data=true"],
                          "gradients and optimizer state sharded over data x fsdp: same traffic", peak))
     steps = []
@@ -995,8 +993,8 @@ def find_levers(plan: Plan, entry: str, train_trace: Trace) -> list[Lever]:
         if fits(peak):
             return out
         cfg = _with(cfg, model=values)
-        train_trace, train_peak, eval_peak = retrace(cfg, layout)
-        peak = max(train_peak, eval_peak)
+        train_trace, eval_trace = trace_step(cfg, layout, device), trace_step(cfg, layout, device, evaluation=True)
+        peak = peak_on(layout)
         out.append(Lever([override], why, peak))
     if layout.mode == "spmd":  # move chips from data to fsdp: same per-chip batch, less state per chip
         # data halves while it stays a multiple of dcn_data (it spans that many slices)
@@ -1004,7 +1002,7 @@ def find_levers(plan: Plan, entry: str, train_trace: Trace) -> list[Lever]:
             m = dict(layout.mesh, data=layout.mesh["data"] // 2, fsdp=layout.mesh["fsdp"] * 2)
             layout = dataclasses.replace(layout, mesh=m, zero=cfg.xla.shard_optimizer_over_data and m["data"] > 1)
             cfg = _with(cfg, xla={"mesh": dataclasses.replace(cfg.xla.mesh, data=m["data"], fsdp=m["fsdp"])})
-            peak = max(peak_of(train_trace, layout).total, eval_peak)
+            peak = peak_on(layout)
             out.append(Lever([f"xla.mesh.data={m['data']}", f"xla.mesh.fsdp={m['fsdp']}"],
                              "more FSDP sharding on the same chips", peak))
     b = layout.micro_batch
@@ -1013,8 +1011,8 @@ def find_levers(plan: Plan, entry: str, train_trace: Trace) -> list[Lever]:
         b, batch, accum = b // 2, batch // 2, accum * 2
         cfg = _with(cfg, training={"batch_size": batch, "gradient_accumulation_steps": accum})
         layout = dataclasses.replace(layout, micro_batch=b)
-        train_trace, train_peak, eval_peak = retrace(cfg, layout)
-        peak = max(train_peak, eval_peak)
+        train_trace, eval_trace = trace_step(cfg, layout, device), trace_step(cfg, layout, device, evaluation=True)
+        peak = peak_on(layout)
         out.append(Lever([f"training.batch_size={batch}", f"training.gradient_accumulation_steps={accum}"],
                          f"{b} sequence(s) per chip per micro-step, same tokens per step", peak))
     return out
