@@ -22,6 +22,7 @@ import traceback
 from concurrent.futures.process import BrokenProcessPool
 
 from training.checkpoint import first_line
+from training.config import check_xla
 from training.loop import STOP, main, train
 
 
@@ -150,8 +151,7 @@ class _PeerWatch(threading.Thread):
 
 def run(cfg) -> int:
     _default_pjrt_device()
-    from training.xla_backend import XLABackend
-    XLABackend.check_config(cfg)  # once, here, not in every spawned worker (main says a ConfigError)
+    check_xla(cfg)  # once, here, not in every spawned worker (main says a ConfigError)
     if cfg.xla.mode != "spmd":
         import torch_xla.distributed.xla_multiprocessing as xmp
     try:

@@ -369,6 +369,9 @@ def test_each_lever_announces_the_peak_of_its_config():
     (["--margin", "1"], "--margin '1': expected a value in [0, 1)"),
     (["--device-kind", "v4", "--world-size", "3"], "--world-size 3: the SPMD mesh"),
     (["training.batch_sise=2"], "did you mean 'training.batch_size'"),
+    # what train_xla.py refuses (training.config.check_xla): the plan said it fits
+    (["--device-kind", "v4", "training.batch_size=6"], "training.batch_size=6 is the global batch"),
+    (["--device-kind", "v4", "model.dropout=0.1"], "xla.scan_layers=true with model.dropout=0.1"),
 ])
 def test_plan_bad_input_is_one_line_and_exit_2(capsys, argv, message):
     code, out, err = plan_main(capsys, ROOT / "configs" / "nash_mhc_3b.yaml", "--plan", *argv)

@@ -503,6 +503,23 @@ def check(cfg: Config, path: Any = None) -> None:
             "per core/chip) or 1")
 
 
+def check_xla(cfg: Config) -> None:
+    """What train_xla.py cannot run, as a ConfigError, decided from the config alone: its launcher
+    and ``--plan`` call it (training/xla_backend.py again, in the process that runs)."""
+    if cfg.xla.scan_layers and cfg.model.dropout > 0:
+        # torch_xla 2.9's scan cannot carry the body's random masks: it fails while lowering
+        # the loop ("Dynamic update slice ... PRED vs F32"), after a minute of tracing
+        raise ConfigError(f"xla.scan_layers=true with model.dropout={cfg.model.dropout}: torch_xla's "
+                          "scan cannot run dropout inside the scanned blocks; set model.dropout=0 "
+                          "or xla.scan_layers=false")
+    m = cfg.xla.mesh
+    if cfg.xla.mode == "spmd" and cfg.training.batch_size % (m.data * m.fsdp):
+        # XLA would zero-pad the batch: chips would compute padding and the loss would change
+        raise ConfigError(f"training.batch_size={cfg.training.batch_size} is the global batch in "
+                          f"xla.mode=spmd and must divide over xla.mesh data x fsdp = "
+                          f"{m.data} x {m.fsdp} = {m.data * m.fsdp} devices")
+
+
 def check_data(cfg: Config) -> dict:
     """Check the data directory against the config before any work; return its meta.json."""
     d = Path(cfg.data.dir).expanduser()

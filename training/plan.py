@@ -29,7 +29,7 @@ import os
 import re
 import sys
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
@@ -40,7 +40,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from model import ModelConfig, NashMHC
 
-from .config import Config, ConfigError
+from .config import Config, ConfigError, check_xla
 from .monitor import TPU_DEVICE_KINDS, peak_flops_for
 from .optim import AdamW, build_optimizer
 from .sharding import param_partition_spec, shard_factor, state_partition_spec
@@ -896,7 +896,6 @@ class Plan:
     margin: float
     train: Peak
     evaluation: Peak
-    note: list[str] = field(default_factory=list)
 
     @property
     def usable(self) -> float:
@@ -913,15 +912,12 @@ class Plan:
 
 def make_plan(cfg: Config, entry: str, device: Device, world_size: Optional[int] = None,
               margin: float = 0.1, layout: Optional[Layout] = None) -> tuple[Plan, Trace]:
+    if entry == "xla":
+        check_xla(cfg)  # what train_xla.py refuses before it starts
     layout = layout or layout_for(cfg, entry, world_size)
     train = trace_step(cfg, layout, device)
     evaluation = trace_step(cfg, layout, device, evaluation=True)
-    plan = Plan(cfg, layout, device, margin, peak_of(train, layout), peak_of(evaluation, layout))
-    if layout.mode == "spmd" and cfg.training.batch_size % (layout.mesh["data"] * layout.mesh["fsdp"]):
-        plan.note.append(f"training.batch_size={cfg.training.batch_size} does not divide over data x fsdp = "
-                         f"{layout.mesh['data'] * layout.mesh['fsdp']}: XLA pads it to "
-                         f"{layout.micro_batch} per chip (wasted compute)")
-    return plan, train
+    return Plan(cfg, layout, device, margin, peak_of(train, layout), peak_of(evaluation, layout)), train
 
 
 def predict_step_peak(cfg: Config, entry: str = "torch", device_kind: str = "cpu",
@@ -1080,8 +1076,6 @@ def format_plan(plan: Plan, mfu: float, usd_per_chip_hour: Optional[float], conf
     usable = plan.usable
     lines.append(f"  usable: {size(usable)} {unit} ({device.memory / GiB:.1f} GiB less a {plan.margin:.0%} "
                  f"margin for what the trace does not model)")
-    for note in plan.note:
-        lines.append(f"  note: {note}")
     lines.append("")
     if plan.fits:
         lines.append(f"fits: {size(plan.peak)} {unit} of {size(usable)} {unit} usable per chip "

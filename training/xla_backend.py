@@ -43,7 +43,7 @@ import torch_xla.runtime as xr
 from torch import nn
 
 from .backend import Backend
-from .config import ConfigError
+from .config import ConfigError, check_xla
 from .data import data_fingerprint
 from .distributed import HostGroup, init_gloo, new_gloo_group
 from .monitor import peak_flops_for
@@ -353,18 +353,7 @@ class _DeviceBatches:
 class XLABackend(Backend):
     name = "xla"
 
-    @staticmethod
-    def check_config(cfg) -> None:
-        """What this backend cannot run, as a ConfigError: the launcher calls it before spawning."""
-        if cfg.xla.scan_layers and cfg.model.dropout > 0:
-            # torch_xla 2.9's scan cannot carry the body's random masks: it fails while lowering
-            # the loop ("Dynamic update slice ... PRED vs F32"), after a minute of tracing
-            raise ConfigError(f"xla.scan_layers=true with model.dropout={cfg.model.dropout}: torch_xla's "
-                              "scan cannot run dropout inside the scanned blocks; set model.dropout=0 "
-                              "or xla.scan_layers=false")
-
     def __init__(self, cfg):
-        self.check_config(cfg)
         self.cfg = cfg
         self.spmd = cfg.xla.mode == "spmd"
         self.mesh = None
@@ -376,20 +365,14 @@ class XLABackend(Backend):
             import torch_xla.distributed.spmd as xs
             self.xs = xs
             self.mesh = build_mesh(cfg.xla.mesh)
-            m = cfg.xla.mesh
-            shards = m.data * m.fsdp
-            if cfg.training.batch_size % shards:
-                # XLA would zero-pad the batch: chips would compute padding and the loss would change
-                raise ConfigError(f"training.batch_size={cfg.training.batch_size} is the global batch in "
-                                  f"xla.mode=spmd and must divide over xla.mesh data x fsdp = "
-                                  f"{m.data} x {m.fsdp} = {shards} devices")
             self.world_size, self.rank, self.is_master = 1, 0, xr.process_index() == 0
-            problem = tp_problem(self.mesh, m) or scan_problem(cfg)
+            problem = tp_problem(self.mesh, cfg.xla.mesh) or scan_problem(cfg)
         else:
             self.world_size = xr.world_size()
             self.rank = xr.global_ordinal()
             self.is_master = self.rank == 0  # the global master: one writer across hosts
             problem = ""
+        check_xla(cfg)  # train_xla.py checked it before launching; a backend built directly checks here
         # One gloo group over every process (world = hosts in SPMD, ordinals in ddp; its TCP store
         # is on host 0: MASTER_ADDR or the TPU metadata, MASTER_PORT, default 12355), made once:
         # the launch checks, the loop's decisions and checkpoint I/O all go through it.
