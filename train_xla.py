@@ -151,7 +151,8 @@ class _PeerWatch(threading.Thread):
 
 def run(cfg) -> int:
     _default_pjrt_device()
-    check_xla(cfg)  # once, here, not in every spawned worker (main says a ConfigError)
+    if _spawns(cfg):  # once, here, not in every spawned worker (main says a ConfigError); a worker
+        check_xla(cfg)  # in this process has its backend check it, with the devices
     if cfg.xla.mode != "spmd":
         import torch_xla.distributed.xla_multiprocessing as xmp
     try:

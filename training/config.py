@@ -503,9 +503,11 @@ def check(cfg: Config, path: Any = None) -> None:
             "per core/chip) or 1")
 
 
-def check_xla(cfg: Config) -> None:
-    """What train_xla.py cannot run, as a ConfigError, decided from the config alone: its launcher
-    and ``--plan`` call it (training/xla_backend.py again, in the process that runs)."""
+def check_xla(cfg: Config, devices: Optional[int] = None) -> None:
+    """What train_xla.py cannot run, as a ConfigError: decided from the config, and with
+    ``devices`` (the runtime's count; the backend knows it) whether an SPMD mesh covers them, in
+    the order a user fixes them. train_xla.py's launcher (before spawning), the backend and
+    ``--plan`` call it."""
     if cfg.xla.scan_layers and cfg.model.dropout > 0:
         # torch_xla 2.9's scan cannot carry the body's random masks: it fails while lowering
         # the loop ("Dynamic update slice ... PRED vs F32"), after a minute of tracing
@@ -513,7 +515,12 @@ def check_xla(cfg: Config) -> None:
                           "scan cannot run dropout inside the scanned blocks; set model.dropout=0 "
                           "or xla.scan_layers=false")
     m = cfg.xla.mesh
-    if cfg.xla.mode == "spmd" and cfg.training.batch_size % (m.data * m.fsdp):
+    if cfg.xla.mode != "spmd":
+        return
+    if devices is not None and m.data * m.fsdp * m.tp != devices:
+        raise ConfigError(f"xla.mesh: data x fsdp x tp = {m.data} x {m.fsdp} x {m.tp} = "
+                          f"{m.data * m.fsdp * m.tp}, but there are {devices} devices")
+    if cfg.training.batch_size % (m.data * m.fsdp):
         # XLA would zero-pad the batch: chips would compute padding and the loss would change
         raise ConfigError(f"training.batch_size={cfg.training.batch_size} is the global batch in "
                           f"xla.mode=spmd and must divide over xla.mesh data x fsdp = "

@@ -121,11 +121,8 @@ def build_mesh(m) -> "xs.Mesh":
     """
     import torch_xla.distributed.spmd as xs
 
-    n = xr.global_runtime_device_count()
+    n = xr.global_runtime_device_count()   # = data x fsdp x tp (config.check_xla)
     axes, shape = ("data", "fsdp", "tp"), (m.data, m.fsdp, m.tp)
-    if m.data * m.fsdp * m.tp != n:
-        raise ConfigError(f"xla.mesh: data x fsdp x tp = {m.data} x {m.fsdp} x {m.tp} = "
-                          f"{m.data * m.fsdp * m.tp}, but there are {n} devices")
     if xr.device_type() != "TPU":
         if m.dcn_data > 1:
             raise ConfigError(f"xla.mesh.dcn_data={m.dcn_data}: multi-slice meshes need TPU slices "
@@ -361,6 +358,8 @@ class XLABackend(Backend):
             xr.use_spmd()
         self._init_cache(cfg.xla.compile_cache)
         self.device = torch_xla.device()
+        # train_xla.py's launcher checked the config alone before spawning; here with the devices
+        check_xla(cfg, xr.global_runtime_device_count() if self.spmd else None)
         if self.spmd:
             import torch_xla.distributed.spmd as xs
             self.xs = xs
@@ -372,7 +371,6 @@ class XLABackend(Backend):
             self.rank = xr.global_ordinal()
             self.is_master = self.rank == 0  # the global master: one writer across hosts
             problem = ""
-        check_xla(cfg)  # train_xla.py checked it before launching; a backend built directly checks here
         # One gloo group over every process (world = hosts in SPMD, ordinals in ddp; its TCP store
         # is on host 0: MASTER_ADDR or the TPU metadata, MASTER_PORT, default 12355), made once:
         # the launch checks, the loop's decisions and checkpoint I/O all go through it.
