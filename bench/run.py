@@ -1,7 +1,7 @@
 """Does Nash-MHC pay for itself? One command measures it and writes one report.
 
     .venv/bin/python bench/run.py                     # everything: ~35 min on a 2-core CPU
-    .venv/bin/python bench/run.py --quick             # tiny budgets, one seed: a smoke test (< 3 min)
+    .venv/bin/python bench/run.py --quick             # tiny budgets, one seed: a smoke test (~3-5 min on 2 cores)
     .venv/bin/python bench/run.py --only attention,data
 
 Writes OUT/latest.json (every figure, per run and per seed), OUT/latest.md (the tables, with the
@@ -446,7 +446,8 @@ def speed(args, budget: dict) -> dict:
         print(f"  speed: GPU ({torch.cuda.get_device_name(0)}) ...", flush=True)
         out["gpu"] = gpu_speed(budget)
     else:
-        out["gpu"] = {"measured": False, "reason": "no GPU (torch.cuda.is_available() is False)"}
+        out["gpu"] = {"measured": False, "reason": "no GPU (torch.cuda.is_available() is False)",
+                      "seqs": budget["gpu_seqs"]}
     return out
 
 
@@ -917,7 +918,8 @@ def render_speed(r: dict) -> list[str]:
     L += ["", "GPU (~125M shape, bf16, torch.compile, full training step):", ""]
     if not g.get("measured"):
         L += ["| variant | seq x batch | step (ms) | tokens/s | MFU | × baseline |", "|---|---|---:|---:|---:|---:|"]
-        L += [f"| {v} | 512, 1024, 2048 | not measured (no GPU) | | | |" for v in VARIANTS]
+        seqs = ", ".join(map(str, g.get("seqs", [])))   # the budget's lengths (absent in older reports)
+        L += [f"| {v} | {seqs} | not measured (no GPU) | | | |" for v in VARIANTS]
         return L
     gm = g["model"]
     L.insert(-1, f"Model from {g['model_source']}: d_model {gm['d_model']}, {gm['n_layers']} layers, "
@@ -1057,7 +1059,7 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="tiny budgets and one seed: a smoke test (< 3 min)")
+    p.add_argument("--quick", action="store_true", help="tiny budgets and one seed: a smoke test (~3-5 min on 2 cores)")
     p.add_argument("--only", metavar="SECTION[,SECTION]",
                    help="run only these sections, keeping the others from OUT/latest.json: " + ", ".join(SECTIONS))
     p.add_argument("--out", type=Path, help="results directory (default bench/results, bench/results/quick with --quick)")

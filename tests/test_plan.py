@@ -468,6 +468,7 @@ def test_plan_command_line(tmp_path):
     ("NVIDIA A100-SXM4-80GB", 85_899_345_920, {"a100": 85_899_345_920, "a100-40": 40 * 10 ** 9}),
     ("NVIDIA A100-SXM4-40GB", 42_505_273_344, {"a100": 80 * 10 ** 9, "a100-40": 42_505_273_344}),
     ("NVIDIA H100 80GB HBM3", 85_520_809_984, {"h100": 85_520_809_984, "a100": 80 * 10 ** 9}),
+    ("NVIDIA GH200 480GB", 102_005_473_280, {"h200": 141 * 10 ** 9, "h100": 80 * 10 ** 9}),  # not an H200
 ])
 def test_gpu_memory_is_the_installed_gpus_only_for_its_own_kind(monkeypatch, name, total, memory):
     """--device-kind takes the memory torch.cuda reports only when the GPU installed here is of that

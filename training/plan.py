@@ -114,6 +114,8 @@ def _cuda_kind() -> Optional[str]:
     if not torch.cuda.is_available():
         return None
     name = torch.cuda.get_device_name(0)
+    if "GH200" in name.upper():  # Grace Hopper: not an H200 (another memory size, and its own peak)
+        return None
     for kind in ("h200", "h100", "a100"):
         if kind.upper() in name.upper():
             if kind == "a100" and torch.cuda.get_device_properties(0).total_memory < 60 * 10 ** 9:
