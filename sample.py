@@ -118,6 +118,10 @@ def main(argv=None) -> int:
     if len(ids) > model.config.max_seq_len:
         print(f"note: the prompt is {len(ids)} tokens; the model sees its last {model.config.max_seq_len} "
               "(model.max_seq_len)", file=sys.stderr)
+    trained = (ckpt.get("config") or {}).get("data", {}).get("seq_len")
+    if isinstance(trained, int) and trained < min(len(ids) + args.max_new_tokens, model.config.max_seq_len):
+        print(f"note: the run trained on {trained}-token windows (data.seq_len); positions past them "
+              "were never trained", file=sys.stderr)
     start = ids or [eos]  # an empty prompt starts where every document does, after an end of text
     idx = torch.tensor([start] * args.num_samples, dtype=torch.long, device=args.device)
     stop = None if args.ignore_eos else eos

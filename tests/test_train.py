@@ -110,6 +110,7 @@ def test_trains_logs_and_checkpoints(tmp_path, stdlib_data):
         assert r.returncode == 2 and "Traceback" not in r.stderr and said in r.stderr, (args, r.stderr[-2000:])
     r = run(["sample.py", str(tmp_path / "run"), "--prompt", "x = 1\n" * 40, "--max-new-tokens", "2"])
     assert r.returncode == 0 and "; the model sees its last 64 (model.max_seq_len)" in r.stderr, r.stderr[-2000:]
+    assert "the run trained on 32-token windows (data.seq_len)" in r.stderr
     # the data directory re-prepared since the checkpoint (meta.json differs): said
     atomic_torch_save(dict(ck, data={**ck["data"], "fingerprint": "0" * 64}), tmp_path / "moved.pt")
     r = run(["sample.py", str(tmp_path / "moved.pt"), "--max-new-tokens", "2"])
