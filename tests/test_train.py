@@ -216,6 +216,46 @@ def test_fsdp2_muon_matches_one_process(tmp_path, stdlib_data):
         assert abs(a[step] - b[step]) <= 1e-5 * abs(a[step]), (step, a[step], b[step])
 
 
+ORTHOGONALISE_SHARDS = f"""
+import sys
+sys.path.insert(0, {str(ROOT)!r})
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor.debug import CommDebugMode
+from training.optim import newton_schulz, orthogonalised
+dist.init_process_group("gloo")
+mesh = init_device_mesh("cpu", (2,))
+torch.manual_seed(0)
+for shape in [(3, 10, 6), (3, 6, 10), (2, 7, 7)]:  # Muon's stacks of FSDP2 shards: dim 1; 7 rows: uneven
+    whole = torch.randn(shape)
+    stack = distribute_tensor(whole, mesh, [Shard(1)])
+    with CommDebugMode() as comms:
+        o = orthogonalised(stack, 5)
+    # two all-to-alls (whole matrices over the processes, and back); gloo makes each an all-gather
+    assert comms.get_total_counts() == 2, (shape, comms.get_comm_counts())
+    assert o.placements == stack.placements and o.to_local().shape == stack.to_local().shape, shape
+    assert torch.equal(o.full_tensor(), newton_schulz(whole)), shape
+open(f"{{sys.argv[1]}}/ok{{dist.get_rank()}}", "w").close()
+dist.destroy_process_group()
+"""
+
+
+@needs_torchrun
+def test_muon_orthogonalises_fsdp2_shards_as_whole_matrices(tmp_path):
+    """Under FSDP2 Muon's stack of one shape's matrices is a DTensor split by rows: it is
+    orthogonalised as whole matrices, a share of the stack on each process, in two collectives
+    (counted by DTensor's CommDebugMode), and each process keeps its rows of exactly the whole
+    stack's Newton-Schulz. Run on the row shards, DTensor's rules redistribute at each of
+    Newton-Schulz's 15 products (bench/optimizer.py)."""
+    script = tmp_path / "orthogonalise.py"
+    script.write_text(ORTHOGONALISE_SHARDS)
+    r = subprocess.run([TORCHRUN, "--standalone", "--nproc_per_node=2", str(script), str(tmp_path)], cwd=ROOT,
+                       env=ENV, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (tmp_path / "ok0").exists() and (tmp_path / "ok1").exists(), r.stdout
+
+
 def same_window_data(d: Path, seq_len: int) -> Path:
     """A data directory (meta.json and one shard per split, as prepare_data.py lays them out)
     whose every window of ``seq_len + 1`` tokens is the same: tokens with period ``seq_len``."""

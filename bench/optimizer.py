@@ -1,0 +1,162 @@
+"""Muon's optimiser step under train.py's FSDP2: collectives, bytes and time per step.
+
+    .venv/bin/python bench/optimizer.py                          # d_model 512, 8 layers, 2 processes, 7 repeats
+    .venv/bin/python bench/optimizer.py --d-model 256 --layers 4 --repeats 5
+
+Under FSDP2 every matrix is a DTensor split by rows over the processes, and Muon's Newton-Schulz
+is a product of whole matrices (training/optim.py). Three forms of the same update, side by side in
+one run on the CPU (gloo, ``--procs`` processes started here, the real ``TorchBackend`` with
+``training.fsdp``, ``build_optimizer`` with ``training.optimizer=muon``):
+
+- ``by_matrix``: what the optimiser does (``training.optim.orthogonalised``): each shape's stack
+  goes to whole matrices, a share of the layers on each process (an all-to-all), is orthogonalised
+  there and comes back (an all-to-all). torch 2.9 runs an all-to-all of CPU tensors as an
+  all-gather and a slice, so on gloo its bytes are those of two all-gathers; on GPUs (nccl) each
+  process receives about 2 / processes of the stack;
+- ``gathered``: each shape's stack gathered whole (one all-gather) and orthogonalised whole on
+  every process: the fewest collectives, every process doing all the work;
+- ``per_product``: Newton-Schulz on the row shards themselves, with DTensor's redistributions at
+  each of its products (the form before ``orthogonalised``).
+
+Three models with the same weights and the same batch take a step each in turn, ``--repeats`` times
+(interleaved, after one step each that is not timed). Per form: the collectives of one step and the
+bytes they deliver to process 0 (counted below DTensor, on the functional collectives it issues),
+the median time of a step on process 0 (from a barrier to a barrier), and the largest difference
+of each form's weights from by_matrix's after the first step (same weights, same gradients:
+rounding only, which Newton-Schulz amplifies in a matrix's small singular directions). Prints one
+JSON object.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from torch.utils._pytree import tree_leaves  # noqa: E402
+
+FORMS = ("by_matrix", "gathered", "per_product")
+
+
+class Collectives(TorchDispatchMode):
+    """Counts the collectives issued on this process and the bytes of their results. DTensor ops
+    are let through (NotImplemented) so that the mode sees the collectives they turn into."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts: Counter = Counter()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.distributed.tensor import DTensor
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented
+        out = func(*args, **(kwargs or {}))
+        name = func._overloadpacket.__name__
+        if func.namespace in ("_c10d_functional", "c10d") and not name.startswith("wait"):
+            self.counts[name] += 1
+            self.bytes += sum(t.numel() * t.element_size() for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+        return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, args, out_file: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    import training.optim as optim
+    from model import ModelConfig, NashMHC
+    from training.backend import TorchBackend
+    from training.config import load_config
+    from training.optim import build_optimizer, newton_schulz
+
+    cfg = load_config(None, ["training.max_steps=1", "training.optimizer=muon", "training.fsdp=true"])
+    backend = TorchBackend("cpu", fsdp=True)
+    mcfg = ModelConfig(vocab_size=4096, d_model=args.d_model, n_layers=args.layers,
+                       n_heads=max(1, args.d_model // 64), n_kv_heads=max(1, args.d_model // 128),
+                       max_seq_len=args.seq)
+    forms = {}
+    for form in FORMS:
+        torch.manual_seed(0)
+        model = backend.prepare_model(NashMHC(mcfg), cfg)
+        forms[form] = (model, build_optimizer(model, cfg.training, backend.adamw_factory()))
+    def gathered(m, steps):
+        from torch.distributed.tensor import DTensor, Replicate
+        whole = [Replicate()] * m.device_mesh.ndim
+        return DTensor.from_local(newton_schulz(m.full_tensor(), steps), m.device_mesh, whole,
+                                  run_check=False).redistribute(m.device_mesh, m.placements)
+
+    implementations = {"by_matrix": optim.orthogonalised, "gathered": gathered,
+                       "per_product": lambda m, steps: newton_schulz(m, steps)}  # DTensor's rules at each product
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randint(0, mcfg.vocab_size, (args.batch, args.seq), generator=g)
+    times: dict = {form: [] for form in FORMS}
+    comms: dict = {}
+    for r in range(args.repeats + 1):
+        for form in FORMS:
+            model, opt = forms[form]
+            opt.zero_grad(set_to_none=True)
+            model(x, x).loss.backward()
+            optim.orthogonalised = implementations[form]
+            dist.barrier()
+            if r == 0:  # not timed: the count, and a first step (state created) for both forms
+                with Collectives() as c:
+                    opt.step()
+                comms[form] = {"collectives": sum(c.counts.values()), "by_kind": dict(c.counts),
+                               "bytes_received": c.bytes}
+                continue
+            t0 = time.perf_counter()
+            opt.step()
+            dist.barrier()
+            times[form].append(time.perf_counter() - t0)
+        if r == 0:  # one step from the same weights and gradients: the forms' rounding only
+            diff = {f: max((a.full_tensor() - b.full_tensor()).abs().max().item() for a, b in
+                           zip(forms["by_matrix"][0].parameters(), forms[f][0].parameters())) for f in FORMS[1:]}
+    optim.orthogonalised = implementations["by_matrix"]
+    if rank == 0:
+        muon = sum(p.numel() for grp in forms["by_matrix"][1].param_groups if grp["use_muon"] for p in grp["params"])
+        median = {f: statistics.median(times[f]) for f in FORMS}
+        result = {"d_model": args.d_model, "layers": args.layers, "processes": world, "repeats": args.repeats,
+                  "muon_matrix_values": muon,
+                  "forms": {f: {**comms[f], "step_ms": 1e3 * median[f]} for f in FORMS},
+                  "step_time_over_by_matrix": {f: median[f] / median["by_matrix"] for f in FORMS[1:]},
+                  "first_step_max_weight_difference_from_by_matrix": diff}
+        Path(out_file).write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--d-model", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--procs", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=7)
+    args = ap.parse_args(argv)
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        mp.spawn(_worker, args=(args.procs, _free_port(), args, out), nprocs=args.procs)
+        print(Path(out).read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
