@@ -1,7 +1,10 @@
-"""Muon's optimiser step under train.py's FSDP2: collectives, bytes and time per step.
+"""Muon's optimiser step over sharded matrices: collectives, bytes and time per step, under
+train.py's FSDP2 and under train_xla.py's SPMD.
 
-    .venv/bin/python bench/optimizer.py                          # d_model 512, 8 layers, 2 processes, 7 repeats
-    .venv/bin/python bench/optimizer.py --d-model 256 --layers 4 --repeats 5
+    .venv/bin/python bench/optimizer.py                          # d_model 512, 8 layers, 7 repeats, both
+    .venv/bin/python bench/optimizer.py --only spmd --d-model 256 --layers 4 --repeats 5
+
+fsdp2:
 
 Under FSDP2 every matrix is a DTensor split by rows over the processes, and Muon's Newton-Schulz
 is a product of whole matrices (training/optim.py). Three forms of the same update, side by side in
@@ -23,8 +26,18 @@ Three models with the same weights and the same batch take a step each in turn, 
 bytes they deliver to process 0 (counted below DTensor, on the functional collectives it issues),
 the median time of a step on process 0 (from a barrier to a barrier), and the largest difference
 of each form's weights from by_matrix's after the first step (same weights, same gradients:
-rounding only, which Newton-Schulz amplifies in a matrix's small singular directions). Prints one
-JSON object.
+rounding only, which Newton-Schulz amplifies in a matrix's small singular directions).
+
+spmd: train_xla.py's backend (``XLABackend``, ``xla.mode=spmd``, a mesh of ``--devices`` PJRT CPU
+devices over fsdp, in a process of its own), two models and their Muon, each training step
+(forward, backward, update) one graph as in train_xla.py without accumulation: ``by_matrix`` (what
+the backend does: each stack annotated with its layer dimension sharded,
+``XLABackend._lay_out_by_matrix``) against ``per_product`` (the stack left to XLA's sharding
+propagation: the matrices split by rows). Per form: the collectives of the partitioned step graph
+(XLA's own dump after optimisation; the forward's and backward's are the same in both) and the
+bytes of their results on one device, and the median time of a step (trace and execution).
+
+Prints one JSON object: ``{"fsdp2": ..., "spmd": ...}``.
 """
 from __future__ import annotations
 
@@ -96,14 +109,14 @@ def _worker(rank: int, world: int, port: int, args, out_file: str) -> None:
         torch.manual_seed(0)
         model = backend.prepare_model(NashMHC(mcfg), cfg)
         forms[form] = (model, build_optimizer(model, cfg.training, backend.adamw_factory()))
-    def gathered(m, steps):
+    def gathered(m, steps, lay_out=None):
         from torch.distributed.tensor import DTensor, Replicate
         whole = [Replicate()] * m.device_mesh.ndim
         return DTensor.from_local(newton_schulz(m.full_tensor(), steps), m.device_mesh, whole,
                                   run_check=False).redistribute(m.device_mesh, m.placements)
 
     implementations = {"by_matrix": optim.orthogonalised, "gathered": gathered,
-                       "per_product": lambda m, steps: newton_schulz(m, steps)}  # DTensor's rules at each product
+                       "per_product": lambda m, steps, lay_out=None: newton_schulz(m, steps)}  # DTensor's rules at each product
     g = torch.Generator().manual_seed(rank)
     x = torch.randint(0, mcfg.vocab_size, (args.batch, args.seq), generator=g)
     times: dict = {form: [] for form in FORMS}
@@ -141,6 +154,75 @@ def _worker(rank: int, world: int, port: int, args, out_file: str) -> None:
     dist.destroy_process_group()
 
 
+def _spmd(args) -> dict:
+    """The spmd section, in this process (PJRT_DEVICE=CPU, CPU_NUM_DEVICES and XLA_FLAGS set by main)."""
+    import glob
+    import re
+
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    from model import ModelConfig, NashMHC
+    from training.config import load_config
+    from training.optim import build_optimizer
+    from training.xla_backend import XLABackend
+
+    data = Path(os.environ["XLA_FLAGS"].split("--xla_dump_to=")[1].split()[0]).parent / "data"
+    data.mkdir()
+    (data / "meta.json").write_text(json.dumps({"vocab_size": 4096}))  # read by the launch check only
+    cfg = load_config(None, ["training.max_steps=1", "training.optimizer=muon", "xla.mode=spmd",
+                             "xla.mesh.data=1", f"xla.mesh.fsdp={args.devices}", f"data.dir={data}"])
+    backend = XLABackend(cfg)
+    mcfg = ModelConfig(vocab_size=4096, d_model=args.d_model, n_layers=args.layers,
+                       n_heads=max(1, args.d_model // 64), n_kv_heads=max(1, args.d_model // 128),
+                       max_seq_len=args.seq)
+    forms = {}
+    for form in ("by_matrix", "per_product"):
+        torch.manual_seed(0)
+        model = backend.prepare_model(NashMHC(mcfg), cfg)
+        opt = build_optimizer(model, cfg.training, backend.adamw_factory())
+        opt.init_state()
+        backend.prepare_optimizer(opt)
+        if form == "per_product":
+            opt.lay_out_by_matrix = None
+        forms[form] = (model, opt)
+    x = torch.randint(0, mcfg.vocab_size, (args.batch * args.devices, args.seq),
+                      generator=torch.Generator().manual_seed(0)).to(backend.device)
+    dump = os.environ["XLA_FLAGS"].split("--xla_dump_to=")[1].split()[0]
+    shape = re.compile(r"= (\w+)\[([\d,]*)\]\{[^}]*\} (all-gather|all-reduce|all-to-all|reduce-scatter|collective-permute)(?:-start)?\(")
+    times, comms = {f: [] for f in forms}, {}
+    for r in range(args.repeats + 1):
+        for form, (model, opt) in forms.items():
+            seen = set(glob.glob(f"{dump}/*after_optimizations.txt"))
+            t0 = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            model(x, x).loss.backward()
+            opt.step()
+            torch_xla.sync()
+            xm.wait_device_ops()
+            if r == 0:  # the step's graph compiled here: its dump is new
+                found: Counter = Counter()
+                nbytes = 0
+                for f in set(glob.glob(f"{dump}/*after_optimizations.txt")) - seen:
+                    for dtype, dims, kind in shape.findall(Path(f).read_text()):
+                        found[kind] += 1
+                        n = 1
+                        for d in filter(None, dims.split(",")):
+                            n *= int(d)
+                        nbytes += n * {"f32": 4, "bf16": 2, "s32": 4}.get(dtype, 4)
+                comms[form] = {"collectives": sum(found.values()), "by_kind": dict(found),
+                               "result_bytes_per_device": nbytes}
+            else:
+                times[form].append(time.perf_counter() - t0)
+    a, b = (forms[f][0] for f in forms)
+    diff = max((p.cpu() - q.cpu()).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
+    median = {f: statistics.median(times[f]) for f in forms}
+    return {"d_model": args.d_model, "layers": args.layers, "devices": args.devices, "repeats": args.repeats,
+            "forms": {f: {**comms[f], "step_ms": 1e3 * median[f]} for f in forms},
+            "per_product_over_by_matrix": median["per_product"] / median["by_matrix"],
+            "max_weight_difference_after_all_steps": diff}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--d-model", type=int, default=512)
@@ -149,12 +231,30 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--devices", type=int, default=4, help="spmd: PJRT CPU devices, all on fsdp")
+    ap.add_argument("--only", default="fsdp2,spmd", help="sections, comma-separated: fsdp2, spmd")
+    ap.add_argument("--spmd-here", action="store_true", help=argparse.SUPPRESS)  # the spmd child process
     args = ap.parse_args(argv)
+    if args.spmd_here:
+        print(json.dumps(_spmd(args)))
+        return 0
+    import subprocess
     import tempfile
+    result = {}
     with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "result.json")
-        mp.spawn(_worker, args=(args.procs, _free_port(), args, out), nprocs=args.procs)
-        print(Path(out).read_text())
+        if "fsdp2" in args.only.split(","):
+            out = os.path.join(tmp, "result.json")
+            mp.spawn(_worker, args=(args.procs, _free_port(), args, out), nprocs=args.procs)
+            result["fsdp2"] = json.loads(Path(out).read_text())
+        if "spmd" in args.only.split(","):
+            env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(args.devices),
+                   "XLA_FLAGS": f"--xla_dump_to={tmp}/hlo --xla_dump_hlo_as_text"}
+            r = subprocess.run([sys.executable, __file__, "--spmd-here", *(argv if argv is not None else sys.argv[1:])],
+                               env=env, capture_output=True, text=True)
+            if r.returncode:
+                sys.exit(f"bench/optimizer.py: the spmd section failed:\n{r.stderr[-3000:]}")
+            result["spmd"] = json.loads(r.stdout.strip().splitlines()[-1])
+    print(json.dumps(result))
     return 0
 
 

@@ -219,6 +219,60 @@ def test_xla_adamw_is_torch_adamw_and_skips_in_one_graph():
     assert out["muon_types"] == [True, True, True] and out["muon_diff"] < 1e-5, out
 
 
+MUON_LAYOUT = r"""
+import json, sys
+import torch, torch_xla
+from model import NashMHC
+from training.config import load_config
+from training.optim import build_optimizer
+from training.xla_backend import XLABackend
+
+out = {}
+for name, over in {"fsdp_tp": ["xla.mesh.fsdp=2", "xla.mesh.tp=2"],
+                   "zero2": ["xla.mesh.data=2", "xla.mesh.fsdp=2", "xla.shard_optimizer_over_data=true"]}.items():
+    cfg = load_config(sys.argv[1], ["xla.mode=spmd", "training.optimizer=muon", *over])
+    backend = XLABackend(cfg)
+    model = backend.prepare_model(NashMHC(cfg.model), cfg)
+    opt = build_optimizer(model, cfg.training, backend.adamw_factory())
+    opt.init_state()
+    backend.prepare_optimizer(opt)
+    names = {id(p): n for n, p in model.named_parameters()}
+    groups = {}
+    for g in opt.param_groups:
+        for p in g["params"] if g["use_muon"] else []:
+            groups.setdefault(tuple(p.shape), []).append(p)
+    out[name] = []
+    for same in groups.values():
+        stack = torch.stack([p.detach() * 1 for p in same])
+        opt.lay_out_by_matrix(stack, same)
+        out[name].append([sorted({names[id(p)].split(".")[-2] for p in same}),
+                          torch_xla._XLAC._get_xla_sharding_spec(stack)])
+print("REPORT " + json.dumps(out))
+"""
+
+
+@pytest.mark.xla
+def test_spmd_muon_orthogonalises_whole_matrices(tmp_path, stdlib_data):
+    """SPMD Muon's stack of one shape's matrices is sharded by matrix (its layer dimension over the
+    mesh axes the matrices' state is split over; the matrices whole), not by rows, whose
+    Newton-Schulz products XLA would all-reduce at each iteration (bench/optimizer.py): over
+    fsdp x tp for the tensor-parallel projections, over fsdp alone (replicated over tp) for mHC's,
+    over data x fsdp as well where the optimiser state is (xla.shard_optimizer_over_data)."""
+    cfg = tiny_config(tmp_path, stdlib_data, **SMALL)
+    r = subprocess.run([sys.executable, "-c", MUON_LAYOUT, str(cfg)], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300, env={**SPMD, "PYTHONPATH": str(ROOT)})
+    lines = [s for s in r.stdout.splitlines() if s.startswith("REPORT ")]
+    assert r.returncode == 0 and lines, r.stderr[-3000:]
+    out = json.loads(lines[-1][len("REPORT "):])
+    tp_parallel = {"wq", "wk", "wv", "wo", "w1", "w2", "w3"}
+    assert len(out["fsdp_tp"]) >= 4 and {m for mods, _ in out["fsdp_tp"] for m in mods} >= tp_parallel | {"phi"}
+    for modules, spec in out["fsdp_tp"]:
+        whole = "{devices=[4,1,1]0,1,2,3}" if set(modules) <= tp_parallel else \
+            "{devices=[2,1,1,2]0,1,2,3 last_tile_dim_replicate}"
+        assert spec == whole, (modules, spec)
+    assert all(spec == "{devices=[4,1,1]0,1,2,3}" for _, spec in out["zero2"]), out["zero2"]
+
+
 def _train(tmp_path, name, stdlib_data, env=ENV, args=(), **over):
     d = tmp_path / name
     d.mkdir()

@@ -11,6 +11,7 @@ the rest.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -139,13 +140,24 @@ def newton_schulz(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
     return x.mT if transposed else x
 
 
-def orthogonalised(m: torch.Tensor, steps: int) -> torch.Tensor:
-    """``newton_schulz`` of a stack of matrices ``[L, rows, cols]``. A DTensor (under FSDP2: every
-    layer's matrix of one shape, each split by rows over the processes) is redistributed to whole
-    matrices, L / processes of them on each process (one all-to-all), orthogonalised there, and
-    sent back (one all-to-all): Newton-Schulz multiplies whole matrices, and on the row shards
-    DTensor's rules would redistribute at each of its 15 products (a 4-layer model under
-    2-process FSDP2: 136 collectives per optimiser step and 10x the bytes; bench/optimizer.py)."""
+def orthogonalised(m: torch.Tensor, steps: int, lay_out=None) -> torch.Tensor:
+    """``newton_schulz`` of a stack of matrices ``[L, rows, cols]``, laid out by whole matrices
+    where the matrices are sharded: Newton-Schulz multiplies whole matrices, and on row shards
+    every one of its 15 products needs a collective.
+
+    A DTensor (train.py's FSDP2: every layer's matrix of one shape, each split by rows over the
+    processes) is redistributed to whole matrices, L / processes of them on each process (one
+    all-to-all), orthogonalised there and sent back (one all-to-all). On the row shards, DTensor's
+    rules issued 136 collectives per optimiser step for a 4-layer model under 2-process FSDP2, and
+    10x the bytes (bench/optimizer.py). ``lay_out(t)`` is a backend's annotation of the same
+    layout (XLA SPMD: the layer dimension sharded over the matrices' mesh axes), applied to the
+    stack and to the result: XLA then moves whole matrices instead of all-reducing a Gram
+    product at each iteration."""
+    if lay_out is not None:
+        lay_out(m)
+        o = newton_schulz(m, steps)
+        lay_out(o)
+        return o
     if not hasattr(m, "full_tensor"):
         return newton_schulz(m, steps)
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -162,6 +174,9 @@ class Muon(AdamW):
     Muon: Nesterov momentum, orthogonalised by Newton-Schulz, scaled by sqrt(max(1, rows/cols)),
     decoupled weight decay (``torch.optim.Muon``'s algorithm, with Newton-Schulz in fp32 where torch
     runs it in bf16). Skips the whole update (state included) where ``found_inf`` is 1.
+    ``lay_out_by_matrix(stack, params)``, set by a backend whose matrices are sharded by
+    annotation (XLA SPMD), lays a stack of ``params``' updates out by whole matrices
+    (``orthogonalised``).
 
     Matrices of one shape (the same projection in every layer) are orthogonalised together, as one
     batch: a few large products instead of many small ones, and on XLA a trace per shape, not per
@@ -177,6 +192,7 @@ class Muon(AdamW):
         defaults = dict(lr=lr, momentum=momentum, betas=betas, eps=eps, weight_decay=weight_decay,
                         ns_steps=ns_steps, use_muon=False)
         torch.optim.Optimizer.__init__(self, param_groups, defaults)
+        self.lay_out_by_matrix = None
 
     def _state(self, p, group):
         if not group["use_muon"]:
@@ -210,7 +226,9 @@ class Muon(AdamW):
                 torch._foreach_mul_(bufs, momentum_keep)
                 torch._foreach_add_(bufs, grads, alpha=1.0 - mu)           # lerp towards g
                 # Nesterov; one lerp per matrix (FSDP2's DTensor has no rule for _foreach_lerp)
-                o = orthogonalised(torch.stack([g.lerp(b, mu) for g, b in zip(grads, bufs)]), group["ns_steps"])
+                lay_out = self.lay_out_by_matrix and functools.partial(self.lay_out_by_matrix, params=same)
+                o = orthogonalised(torch.stack([g.lerp(b, mu) for g, b in zip(grads, bufs)]), group["ns_steps"],
+                                   lay_out)
                 del grads
                 o = o * (lr * max(1.0, shape[0] / shape[1]) ** 0.5 * keep)
                 torch._foreach_mul_(same, decay)

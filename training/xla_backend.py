@@ -47,7 +47,7 @@ from .config import ConfigError, check_xla
 from .data import data_fingerprint
 from .distributed import HostGroup, init_gloo, new_gloo_group
 from .monitor import peak_flops_for
-from .optim import AdamW
+from .optim import AdamW, Muon
 from .sharding import param_partition_spec, state_partition_spec
 
 
@@ -459,9 +459,12 @@ class XLABackend(Backend):
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """SPMD: shard the optimiser state like its parameter (FSDP), and with
-        ``xla.shard_optimizer_over_data`` over data x fsdp, the gradients too (ZeRO-2)."""
+        ``xla.shard_optimizer_over_data`` over data x fsdp, the gradients too (ZeRO-2); Muon
+        orthogonalises whole matrices (``_lay_out_by_matrix``)."""
         if not self.spmd:
             return
+        if isinstance(optimizer, Muon):
+            optimizer.lay_out_by_matrix = self._lay_out_by_matrix
         for group in optimizer.param_groups:
             for p in group["params"]:
                 spec = self._state_spec(p)
@@ -482,6 +485,20 @@ class XLABackend(Backend):
     def _state_spec(self, p: torch.Tensor) -> tuple:
         """The partition spec of ``p``'s gradient and optimiser state (training/sharding.py)."""
         return state_partition_spec(self._specs.get(id(p)), self._over_data) or (None,) * p.ndim
+
+    def _lay_out_by_matrix(self, stack: torch.Tensor, params: list) -> None:
+        """Shard a stack ``[L, rows, cols]`` of ``params``' updates by matrix: its layer dimension
+        over every mesh axis their state is sharded over, the matrices whole (Muon's Newton-Schulz;
+        XLA pads L up to a multiple of the devices). Split by rows over fsdp, the matrices made XLA
+        all-reduce a Gram product at each Newton-Schulz iteration (8 matrices of 512 x 256 on
+        fsdp 4, the update alone: 5 all-reduces of the whole [8, 256, 256] product; by matrix, two
+        all-to-alls). bench/optimizer.py, a training step of 8 layers at d_model 512 on fsdp 4:
+        176 MB of collective results per device instead of 1,126, 2.32 s instead of 4.30."""
+        used = {a for p in params for axis in self._state_spec(p) if axis
+                for a in (axis if isinstance(axis, tuple) else (axis,))}
+        axes = tuple(a for a in ("data", "fsdp", "tp") if a in used)
+        if axes:
+            self.xs.mark_sharding(stack, self.mesh, (axes, None, None))
 
     def _shard_grad(self, param: torch.Tensor, spec: tuple) -> None:
         self.xs.mark_sharding(param.grad, self.mesh, spec)
