@@ -65,14 +65,21 @@ class ExportError(Exception):
     """Bad input: reported as one line, no traceback."""
 
 
-def export_tokenizer_files(hf_files: dict[str, bytes], max_seq_len: int) -> dict[str, bytes]:
+def export_tokenizer_files(spec: TokenizerSpec, max_seq_len: int) -> dict[str, bytes]:
     """The data's tokenizer files for an export, its tokenizer_config.json set for the model: padding
     on the left (generate() appends to every row's end, so right padding would put pad tokens in
-    the middle of a row) and model_max_length = the model's max_seq_len (truncation=True then cuts
-    where the model stops; the default is no limit)."""
-    files = dict(hf_files)
+    the middle of a row), model_max_length = the model's max_seq_len (truncation=True then cuts
+    where the model stops; the default is no limit), and a tokenizer without a pad token (an
+    imported one, e.g. Llama's) padding with its end-of-text token, as the exported generation
+    config does: without one, ``tokenizer(texts, padding=True)`` is an error."""
+    files = dict(spec.hf_files)
     config = json.loads(files["tokenizer_config.json"])
     config.update(padding_side="left", model_max_length=max_seq_len)
+    if spec.pad is None and not config.get("pad_token"):
+        config["pad_token"] = spec.eos
+        specials = json.loads(files.get("special_tokens_map.json", b"null"))
+        if isinstance(specials, dict) and not specials.get("pad_token"):
+            files["special_tokens_map.json"] = (json.dumps({**specials, "pad_token": spec.eos}, indent=2) + "\n").encode()
     files["tokenizer_config.json"] = (json.dumps(config, indent=2) + "\n").encode()
     return files
 
@@ -309,7 +316,7 @@ def export(args) -> str:
         hf.save_pretrained(staging, max_shard_size=args.max_shard_size)
         del hf
         shutil.copyfile(tok_dir / "tokenizer.json", staging / "tokenizer.json")
-        for name, data in export_tokenizer_files(spec.hf_files, model.config.max_seq_len).items():
+        for name, data in export_tokenizer_files(spec, model.config.max_seq_len).items():
             (staging / name).write_bytes(data)
         (staging / "README.md").write_text(card)
         if why_remote is not None:

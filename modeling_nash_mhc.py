@@ -178,11 +178,15 @@ class NashMHCForCausalLM(PreTrainedModel, GenerationMixin):
         return CausalLMOutput(loss=loss, logits=logits)
 
     def prepare_inputs_for_generation(self, input_ids, attention_mask=None, **kwargs):
-        """The whole context at every step (no KV cache), cropped to max_seq_len as in NashMHC.generate."""
+        """The whole context at every step (no KV cache), cropped to max_seq_len as in NashMHC.generate.
+        Outputs asked of generate() go on to forward(), which refuses those the model cannot give."""
         n = self.config.max_seq_len
         inputs = {"input_ids": input_ids[:, -n:]}
         if attention_mask is not None:
             inputs["attention_mask"] = attention_mask[:, -n:]
+        for flag in ("output_hidden_states", "output_attentions"):
+            if kwargs.get(flag):
+                inputs[flag] = kwargs[flag]
         return inputs
 
     @classmethod

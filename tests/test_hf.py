@@ -228,6 +228,9 @@ def test_remote_code_model_in_transformers_workflows(tmp_path, nash_export):
         for ignored in ({"output_hidden_states": True}, {"position_ids": torch.arange(1, 41).expand(2, 40)}):
             with pytest.raises(ValueError, match="NashMHCForCausalLM"):  # an error, not silently ignored
                 hf(x, **ignored)
+        for asked in ("output_hidden_states", "output_attentions"):  # through generate() too, not None
+            with pytest.raises(ValueError, match="NashMHCForCausalLM"):
+                hf.generate(x[:1, :8], max_new_tokens=2, return_dict_in_generate=True, **{asked: True})
     hf.resize_token_embeddings(600)
     assert hf.config.vocab_size == hf.model.config.vocab_size == 600
     assert hf.model.lm_head.weight is hf.model.tok_emb.weight and hf.model.tok_emb.num_embeddings == 600
@@ -351,6 +354,33 @@ def test_vocabulary_mapping(tmp_path, stdlib_data, capsys, model_rows):
         assert "rows 300-511 are added as zeros" in err and "warning" in err
         assert torch.equal(a[..., 300:], torch.zeros_like(a[..., 300:]))
         assert torch.equal(hf.model.embed_tokens.weight[300:], torch.zeros(212, 64))
+
+
+def test_a_tokenizer_without_a_pad_token_pads_with_end_of_text(tmp_path, stdlib_data):
+    """An imported tokenizer often has only an end-of-text token (Llama's): the export pads with
+    it, as its generation config says, so the README's batched use works; a left-padded batch
+    generates what each prompt does alone."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tok.train_from_iterator(["def main():\n    return 0\n", "import os\nimport sys\n"] * 50, trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    (tmp_path / "tok").mkdir()
+    tok.save(str(tmp_path / "tok" / "tokenizer.json"))
+    make_run(tmp_path / "run", stdlib_data, **BASELINE)
+    assert export(tmp_path / "run", tmp_path / "hf", "--tokenizer", tmp_path / "tok") == 0
+    hf_tok = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert hf_tok.pad_token == "<|endoftext|>" and hf_tok.pad_token_id == hf.generation_config.pad_token_id
+    prompts = ["def main():\n    return", "import"]
+    batch = hf_tok(prompts, return_tensors="pt", padding=True)
+    assert batch["attention_mask"][1, 0] == 0  # padded on the left
+    together = hf.generate(**batch, max_new_tokens=5, do_sample=False)[:, batch["input_ids"].shape[1]:]
+    for row, prompt in zip(together, prompts):
+        alone = hf.generate(**hf_tok([prompt], return_tensors="pt"), max_new_tokens=5, do_sample=False)
+        assert row.tolist() == alone[0, -5:].tolist(), prompt
 
 
 def test_refusals_are_one_line_and_touch_nothing(tmp_path, stdlib_data, capsys, monkeypatch):
