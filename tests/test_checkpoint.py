@@ -112,16 +112,18 @@ def test_rotation_deletes_only_older_committed_checkpoints(tmp_path):
 
 
 def test_uncommitted_and_corrupt_checkpoints_fall_back(tmp_path):
-    model, opt, backend, ck = _setup(True, run_dir=tmp_path, keep=3)
-    for s in (10, 20, 30):
+    model, opt, backend, ck = _setup(True, run_dir=tmp_path, keep=4)
+    for s in (10, 20, 30, 40):
         ck.save(_meta(s), model, opt, "test")
+    (checkpoint_path(tmp_path, 40, True) / MARKER).write_text("[]")   # 40: a marker that is no object
     (checkpoint_path(tmp_path, 30, True) / MARKER).unlink()          # 30: not committed
     shard = next(checkpoint_path(tmp_path, 20, True).glob("*.distcp"))  # 20: truncated shard
     shard.write_bytes(shard.read_bytes()[:100])
     warnings = []
     path, meta = find_latest(tmp_path, warn=warnings.append)
     assert path == checkpoint_path(tmp_path, 10, True) and meta["step"] == 10
-    assert len(warnings) == 1 and "truncated" in warnings[0] and "ckpt_00000020" in warnings[0]
+    assert len(warnings) == 2 and "ckpt_00000040" in warnings[0] and "not an object" in warnings[0]
+    assert "truncated" in warnings[1] and "ckpt_00000020" in warnings[1]
     with pytest.raises(CheckpointError, match="not committed"):
         load_checkpoint(checkpoint_path(tmp_path, 30, True))
 
@@ -194,6 +196,16 @@ def test_consolidate_writes_one_weights_only_file(tmp_path):
     assert r.returncode == 0 and "optimizer" not in torch.load(out, weights_only=True)
     r = run(["-m", "training.checkpoint", "consolidate", str(src), str(tmp_path), "--overwrite"])
     assert r.returncode == 2 and "Traceback" not in r.stderr and f"{tmp_path}: is a directory" in r.stderr
+    blocked = tmp_path / "a_file" / "model.pt"  # its parent is a file: nothing can be written there
+    (tmp_path / "a_file").write_text("x")
+    r = run(["-m", "training.checkpoint", "consolidate", str(src), str(blocked)])
+    assert r.returncode == 2 and "Traceback" not in r.stderr and f"{blocked}: cannot write" in r.stderr
+    r = run(["-m", "training.checkpoint", "consolidate", str(src), "/dev/null", "--overwrite"])
+    assert r.returncode == 2 and "/dev/null: not a regular file" in r.stderr and Path("/dev/null").is_char_device()
+    foreign = tmp_path / "foreign.pt"
+    torch.save({"model": {}, "format_version": "2"}, foreign)
+    r = run(["-m", "training.checkpoint", "consolidate", str(foreign), str(tmp_path / "f.pt")])
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "format_version '2' is not an integer" in r.stderr
 
 
 # -- a SIGKILL in the middle of an asynchronous write ---------------------------------------------

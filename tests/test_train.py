@@ -581,7 +581,7 @@ def test_a_checkpoint_whose_tensors_do_not_load_is_one_line(tmp_path, stdlib_dat
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
     assert r.stderr.strip().splitlines()[-1] == (
         f"train.py: error: {ckpt}: cannot be loaded (RuntimeError: storage bytes do not decode); "
-        "set checkpoint.resume to an earlier checkpoint")
+        "move it out of checkpoint.dir (resume: auto then takes the one before it)")
 
 
 @needs_torchrun

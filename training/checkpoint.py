@@ -247,6 +247,8 @@ def read_marker(ckpt_dir: str | Path) -> dict:
         raise CheckpointError(f"{d}: not committed (no {MARKER}: the save did not finish)") from None
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path}: unreadable ({first_line(e)})") from None
+    if not isinstance(marker, dict):
+        raise CheckpointError(f"{path}: malformed (a JSON {type(marker).__name__}, not an object)")
     need = {"format_version": int, "step": int, "tokens_seen": int, "data": dict, "config": dict,
             "rng": dict, "optimizer_param_groups": list}
     for key, tp in need.items():
@@ -288,6 +290,9 @@ def _load_file(path: Path, with_optimizer: bool = True) -> dict:
         raise CheckpointError(f"{path}: not a loadable checkpoint ({first_line(e)})") from None
     if not isinstance(ckpt, dict) or "model" not in ckpt or "format_version" not in ckpt:
         raise CheckpointError(f"{path}: not a Nash-MHC checkpoint (missing model/format_version)")
+    if type(ckpt["format_version"]) is not int:
+        raise CheckpointError(f"{path}: not a Nash-MHC checkpoint (format_version "
+                              f"{ckpt['format_version']!r} is not an integer)")
     if ckpt["format_version"] > FORMAT_VERSION:
         raise CheckpointError(f"{path}: format_version {ckpt['format_version']} is newer than this "
                               f"code's {FORMAT_VERSION}")
@@ -390,8 +395,13 @@ def consolidate(src: str | Path, out: str | Path, model_only: bool = False,
         raise CheckpointError(f"{out}: is a directory (give the file to write, e.g. {out / 'model.pt'})")
     if out.exists() and not overwrite:
         raise CheckpointError(f"{out}: exists (pass --overwrite to replace it)")
+    if out.exists() and not out.is_file():
+        raise CheckpointError(f"{out}: not a regular file (a device or a socket is never replaced)")
     ckpt = load_checkpoint(src, with_optimizer=not model_only)
-    atomic_torch_save(ckpt, out)
+    try:
+        atomic_torch_save(ckpt, out)
+    except (OSError, RuntimeError) as e:  # torch's writer reports a full disk as a RuntimeError
+        raise CheckpointError(f"{out}: cannot write ({first_line(e)})") from None
     return ckpt
 
 
@@ -585,7 +595,8 @@ class Checkpointer:
             # what unreadable shards (DCP gathers every reader's failure) or a state that does
             # not fit the model raise
             error = CheckpointError(f"{path}: cannot be loaded ({type(e).__name__}: {first_line(e)}); "
-                                    "set checkpoint.resume to an earlier checkpoint")
+                                    "move it out of checkpoint.dir (resume: auto then takes the one "
+                                    "before it)")
         self.backend.host.raise_together(error, CheckpointError)  # all stop, or none
 
     # -- save --------------------------------------------------------------------------------
