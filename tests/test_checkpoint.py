@@ -203,9 +203,13 @@ def test_consolidate_writes_one_weights_only_file(tmp_path):
     r = run(["-m", "training.checkpoint", "consolidate", str(src), "/dev/null", "--overwrite"])
     assert r.returncode == 2 and "/dev/null: not a regular file" in r.stderr and Path("/dev/null").is_char_device()
     foreign = tmp_path / "foreign.pt"
-    torch.save({"model": {}, "format_version": "2"}, foreign)
-    r = run(["-m", "training.checkpoint", "consolidate", str(foreign), str(tmp_path / "f.pt")])
-    assert r.returncode == 2 and "Traceback" not in r.stderr and "format_version '2' is not an integer" in r.stderr
+    for bad, said in [({"format_version": "2"}, "not a Nash-MHC checkpoint (format_version '2' is not an integer)"),
+                      ({"format_version": 2}, "missing or malformed 'step'"),
+                      ({**ref, "data": {"epoch": 0, "offset": "3"}}, "missing or malformed 'data' (epoch and offset)"),
+                      ({**ref, "rng": None}, "missing or malformed 'rng'")]:
+        torch.save({"model": {}, **bad}, foreign)
+        r = run(["-m", "training.checkpoint", "consolidate", str(foreign), str(tmp_path / "f.pt")])
+        assert r.returncode == 2 and "Traceback" not in r.stderr and f"{foreign}: {said}" in r.stderr, r.stderr
 
 
 # -- a SIGKILL in the middle of an asynchronous write ---------------------------------------------

@@ -237,6 +237,16 @@ def first_line(e: BaseException) -> str:
     return (lines[0] if lines else type(e).__name__)[:300]
 
 
+def _check_fields(path: Path, ckpt: dict, need: dict) -> None:
+    """A one-line error naming the first of ``need``'s keys that ``ckpt`` lacks or holds as
+    another type than ``need`` gives; ``data`` (the stream position) must hold integers."""
+    for key, tp in need.items():
+        if not isinstance(ckpt.get(key), tp) or (tp is int and isinstance(ckpt[key], bool)):
+            raise CheckpointError(f"{path}: missing or malformed {key!r}")
+    if "data" in need and not all(isinstance(ckpt["data"].get(k), int) for k in ("epoch", "offset")):
+        raise CheckpointError(f"{path}: missing or malformed 'data' (epoch and offset)")
+
+
 def read_marker(ckpt_dir: str | Path) -> dict:
     """The commit marker of a DCP directory, checked (JSON; an error if missing or malformed)."""
     d = Path(ckpt_dir)
@@ -249,11 +259,8 @@ def read_marker(ckpt_dir: str | Path) -> dict:
         raise CheckpointError(f"{path}: unreadable ({first_line(e)})") from None
     if not isinstance(marker, dict):
         raise CheckpointError(f"{path}: malformed (a JSON {type(marker).__name__}, not an object)")
-    need = {"format_version": int, "step": int, "tokens_seen": int, "data": dict, "config": dict,
-            "rng": dict, "optimizer_param_groups": list}
-    for key, tp in need.items():
-        if not isinstance(marker.get(key), tp):
-            raise CheckpointError(f"{path}: missing or malformed {key!r}")
+    _check_fields(path, marker, {"format_version": int, "step": int, "tokens_seen": int, "data": dict,
+                                 "config": dict, "rng": dict, "optimizer_param_groups": list})
     if marker["format_version"] > FORMAT_VERSION:
         raise CheckpointError(f"{path}: format_version {marker['format_version']} is newer than this "
                               f"code's {FORMAT_VERSION}")
@@ -296,6 +303,10 @@ def _load_file(path: Path, with_optimizer: bool = True) -> dict:
     if ckpt["format_version"] > FORMAT_VERSION:
         raise CheckpointError(f"{path}: format_version {ckpt['format_version']} is newer than this "
                               f"code's {FORMAT_VERSION}")
+    _check_fields(path, ckpt, {"model": dict, "step": int})
+    if "optimizer" in ckpt:  # a checkpoint a run resumes from, not weights alone
+        _check_fields(path, ckpt, {"optimizer": dict, "tokens_seen": int, "data": dict, "rng": dict,
+                                   "config": dict})
     if not with_optimizer:
         ckpt.pop("optimizer", None)
     return ckpt
