@@ -48,6 +48,16 @@ def run(args, env=None, **kw):
                           text=True, timeout=600, **kw)
 
 
+def script_report(script: str, *args, env: dict, timeout: float = 300) -> dict:
+    """Run ``script`` (Python source) in a process of its own with this repository on its path;
+    it prints its findings last, as one line ``REPORT <json>``: returned as a dict."""
+    r = subprocess.run([sys.executable, "-c", script, *map(str, args)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=timeout, env={**env, "PYTHONPATH": str(ROOT)})
+    lines = [s for s in r.stdout.splitlines() if s.startswith("REPORT ")]
+    assert r.returncode == 0 and lines, r.stderr[-3000:]
+    return json.loads(lines[-1][len("REPORT "):])
+
+
 def wait_for_file(path: Path, proc, timeout=300) -> None:
     """Block until ``path`` exists; an AssertionError if ``proc`` ends first."""
     t0 = time.time()

@@ -2,15 +2,11 @@
 
 torch_xla runs in a subprocess, so PJRT_DEVICE is set before it is imported and this process stays clean.
 """
-import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import script_report
 
 pytestmark = pytest.mark.xla
 
@@ -84,13 +80,9 @@ print("REPORT " + json.dumps(report))
 def report():
     pytest.importorskip("torch_xla")
     # os.environ carries tests/conftest.py's fast-compile XLA_FLAGS (LLVM without optimisation passes)
-    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "1", "PYTHONPATH": str(ROOT),
-           "TF_CPP_MIN_LOG_LEVEL": "3", "OMP_NUM_THREADS": "1"}
-    r = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, cwd=ROOT, env=env,
-                       timeout=600)
-    lines = [s for s in r.stdout.splitlines() if s.startswith("REPORT ")]
-    assert r.returncode == 0 and lines, r.stderr[-3000:]
-    return json.loads(lines[-1][len("REPORT "):])
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "1", "TF_CPP_MIN_LOG_LEVEL": "3",
+           "OMP_NUM_THREADS": "1"}
+    return script_report(SCRIPT, env=env, timeout=600)
 
 
 @pytest.mark.parametrize("name", ["nash-mhc", "lite-convex", "sinkhorn-loop", "window-chunked-pad", "window-dense"])

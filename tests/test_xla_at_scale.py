@@ -3,14 +3,10 @@ graphs whatever the accumulation, the log interval and the mode; one device-to-h
 log line; the blocks as one scanned loop with the unrolled model's losses; TPU peak FLOP/s by
 device kind; launch checks that refuse with one line before anything compiles."""
 import json
-import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 
-from helpers import ENV, ROOT, metrics, run, tiny_config
+from helpers import ENV, metrics, run, script_report, tiny_config
 from training.config import ConfigError, load_config
 from training.data import data_fingerprint
 from training.monitor import peak_flops_for
@@ -117,11 +113,7 @@ print("REPORT " + json.dumps(out))
 @pytest.mark.xla
 def test_launch_checks_refuse_in_one_line_before_compiling(tmp_path, stdlib_data):
     cfg = tiny_config(tmp_path, stdlib_data, **SMALL)
-    r = subprocess.run([sys.executable, "-c", LAUNCH, str(cfg)], cwd=ROOT, capture_output=True, text=True,
-                       timeout=300, env={**SPMD, "PYTHONPATH": str(ROOT)})
-    lines = [s for s in r.stdout.splitlines() if s.startswith("REPORT ")]
-    assert r.returncode == 0 and lines, r.stderr[-3000:]
-    out = json.loads(lines[-1][len("REPORT "):])
+    out = script_report(LAUNCH, cfg, env=SPMD)
     assert out["agree"] is None
     assert out["data"].startswith("data.dir: /d/meta.json describes other data on process(es) 2 than on process 0")
     assert out["problem"] == "xla.mesh.tp=8: spans hosts (found by process 1)"
@@ -207,11 +199,7 @@ def test_xla_adamw_is_torch_adamw_and_skips_in_one_graph():
     and state over 7 updates with a new learning rate each step; a step with NaN gradients and
     found_inf = 1 changes nothing (not even the step count); the learning rate is not a new graph.
     Muon built with it runs the fused op for its AdamW groups and matches Muon on the CPU."""
-    r = subprocess.run([sys.executable, "-c", ADAMW], cwd=ROOT, capture_output=True, text=True,
-                       timeout=300, env={**ENV, "PYTHONPATH": str(ROOT)})
-    lines = [s for s in r.stdout.splitlines() if s.startswith("REPORT ")]
-    assert r.returncode == 0 and lines, r.stderr[-3000:]
-    out = json.loads(lines[-1][len("REPORT "):])
+    out = script_report(ADAMW, env=ENV)
     assert max(out["diff"]) < 1e-6 and out["state_diff"] < 1e-6, out
     assert out["steps"] == [7.0, 7.0]
     # the first update has no state yet (its inputs are constants); every later one is one graph
@@ -259,11 +247,7 @@ def test_spmd_muon_orthogonalises_whole_matrices(tmp_path, stdlib_data):
     fsdp x tp for the tensor-parallel projections, over fsdp alone (replicated over tp) for mHC's,
     over data x fsdp as well where the optimiser state is (xla.shard_optimizer_over_data)."""
     cfg = tiny_config(tmp_path, stdlib_data, **SMALL)
-    r = subprocess.run([sys.executable, "-c", MUON_LAYOUT, str(cfg)], cwd=ROOT, capture_output=True, text=True,
-                       timeout=300, env={**SPMD, "PYTHONPATH": str(ROOT)})
-    lines = [s for s in r.stdout.splitlines() if s.startswith("REPORT ")]
-    assert r.returncode == 0 and lines, r.stderr[-3000:]
-    out = json.loads(lines[-1][len("REPORT "):])
+    out = script_report(MUON_LAYOUT, cfg, env=SPMD)
     tp_parallel = {"wq", "wk", "wv", "wo", "w1", "w2", "w3"}
     assert len(out["fsdp_tp"]) >= 4 and {m for mods, _ in out["fsdp_tp"] for m in mods} >= tp_parallel | {"phi"}
     for modules, spec in out["fsdp_tp"]:
