@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from training.checkpoint import (FORMAT_VERSION, CheckpointError, atomic_torch_save, checkpoint_path,
@@ -47,6 +47,21 @@ def test_schedule_is_torchs_warmup_then_cosine(peak, warmup, extra, ratio):
         sched.step()
     if extra > 1:
         assert lr_at(total - 1, total, peak, warmup, ratio) == pytest.approx(ratio * peak, abs=1e-12)
+
+
+@given(peak=st.floats(1e-5, 1.0), warmup=st.integers(0, 50), extra=st.integers(1, 500),
+       ratio=st.floats(0.0, 1.0), at=st.floats(0.0, 1.0))
+@example(peak=3e-3, warmup=2, extra=3, ratio=0.1, at=0.375)  # step 1.5 of 5: was 1.25 x the peak
+def test_schedule_never_exceeds_its_peak_at_fractional_steps(peak, warmup, extra, ratio, at):
+    """A token budget resumed with more tokens per step reads the schedule between steps
+    (Trainer.schedule_shift): there too the rate is between min_lr_ratio x peak (or the warmup's
+    start) and the peak, and never decreases during the warmup."""
+    total = warmup + extra
+    step = at * (total - 1)
+    lr = lr_at(step, total, peak, warmup, ratio)
+    assert 0 < lr <= peak or (lr == 0 and ratio == 0)
+    if step + 0.25 < warmup:
+        assert lr <= lr_at(step + 0.25, total, peak, warmup, ratio)
 
 
 # -- config ----------------------------------------------------------------------------------

@@ -24,10 +24,10 @@ def lr_at(step: float, max_steps: float, peak: float, warmup: int, min_ratio: fl
     ``SequentialLR`` of ``LambdaLR((s + 1) / warmup)`` and ``CosineAnnealingLR(T_max=max_steps -
     warmup - 1, eta_min)``. ``step`` counts from 0 (the first update uses ``lr_at(0)``, never 0);
     it may be fractional (``Trainer.schedule_shift``: a token budget resumed with other tokens
-    per step).
+    per step); between warmup - 1 and warmup the rate is the peak, never above it.
     """
     if warmup > 0 and step < warmup:
-        return peak * (step + 1) / warmup
+        return peak * min(1.0, (step + 1) / warmup)
     progress = min(1.0, (step - warmup) / max(1, max_steps - warmup - 1))
     return peak * (min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress)))
 
