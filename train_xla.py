@@ -22,7 +22,7 @@ import traceback
 from concurrent.futures.process import BrokenProcessPool
 
 from training.checkpoint import first_line
-from training.config import check_xla
+from training.config import check_xla, xla_ignores
 from training.loop import STOP, main, train
 
 
@@ -151,6 +151,8 @@ class _PeerWatch(threading.Thread):
 
 def run(cfg) -> int:
     _default_pjrt_device()
+    for line in xla_ignores(cfg):
+        print(f"train_xla.py: warning: {line}", file=sys.stderr)
     if _spawns(cfg):  # once, here, not in every spawned worker (main says a ConfigError); a worker
         check_xla(cfg)  # in this process has its backend check it, with the devices
     if cfg.xla.mode != "spmd":

@@ -72,6 +72,13 @@ def write(tmp_path, text, name="c.yaml"):
     return p
 
 
+def test_train_xla_names_the_train_py_settings_it_ignores():
+    from training.config import xla_ignores
+    assert xla_ignores(load_config(None, ["training.max_steps=1", "training.compile=true"])) == []
+    lines = xla_ignores(load_config(None, ["training.max_steps=1", "training.fsdp=true", "training.device=cuda"]))
+    assert [line.split(" ")[0] for line in lines] == ["training.fsdp=true", "training.device=cuda"]
+
+
 def test_config_unknown_key_suggests_closest(tmp_path):
     p = write(tmp_path, "training:\n  lerning_rate: 0.1\n  max_steps: 3\n")
     with pytest.raises(ConfigError) as e:

@@ -527,6 +527,20 @@ def check_xla(cfg: Config, devices: Optional[int] = None) -> None:
                           f"{m.data} x {m.fsdp} = {m.data * m.fsdp} devices")
 
 
+def xla_ignores(cfg: Config) -> list[str]:
+    """The train.py-only settings of ``cfg`` that would change what train.py does but that
+    train_xla.py does not use, each as a warning line (``training.compile`` is not one: XLA
+    compiles every step anyway)."""
+    lines = []
+    if cfg.training.fsdp:
+        lines.append("training.fsdp=true is train.py's FSDP2; train_xla.py shards with xla.mode=spmd and "
+                     "xla.mesh.fsdp (ignored here)")
+    if cfg.training.device != "auto":
+        lines.append(f"training.device={cfg.training.device} is train.py's; train_xla.py runs on the "
+                     "PJRT_DEVICE's devices (ignored here)")
+    return lines
+
+
 def check_data(cfg: Config) -> dict:
     """Check the data directory against the config before any work; return its meta.json."""
     d = Path(cfg.data.dir).expanduser()
