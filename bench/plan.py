@@ -87,7 +87,13 @@ def measure_step_peak(cfg: Config, seed: int = 0, entry: str = "torch", ddp: boo
     "torch" runs it as train.py does (fused AdamW, the CPU's fused attention); "xla" with what the
     XLA backend and compiler use instead (the tensor-op AdamW, attention as ATen's math path).
     ``ddp``: the model wrapped as train.py wraps it under torchrun (a process group must exist);
-    what DDP allocates when it is built (its gradient buckets) counts as alive before the step."""
+    what DDP allocates when it is built (its gradient buckets) counts as alive before the step.
+    Built as train.py builds it, less the collectives that do nothing in one process: the
+    broadcast of the weights and buffers when it is built (init_sync) and of the buffers at each
+    forward (broadcast_buffers). Each copies what it sends into a new tensor that gloo's worker
+    thread may free, out of the profiler's sight (it follows only this thread): counted as alive,
+    that copy added the weights' size to ``held`` (or the buffers' to the step) in some runs and
+    not others. In a larger group both copies are gone before the step's peak."""
     import contextlib
 
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -109,7 +115,7 @@ def measure_step_peak(cfg: Config, seed: int = 0, entry: str = "torch", ddp: boo
     if ddp:
         from torch.nn.parallel import DistributedDataParallel as DDP
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-            net = DDP(model, gradient_as_bucket_view=True)
+            net = DDP(model, gradient_as_bucket_view=True, init_sync=False, broadcast_buffers=False)
         held = sum(size for _, size in _allocations(prof))
     with attention():
         training_step(net, optimizer, params, x, y, accum, amp, cfg.training.grad_clip)  # state exists
