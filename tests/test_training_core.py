@@ -625,6 +625,23 @@ def test_resumed_logs_keep_the_checkpoint_step_and_redo_the_rest(tmp_path, monke
     assert _tb_losses(tmp_path / "tb") == want
 
 
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="no /dev/full")
+def test_a_full_disk_under_the_metrics_is_one_warning_and_the_run_goes_on(tmp_path, capsys):
+    """Only the master writes metrics.jsonl and TensorBoard: an OSError there (here /dev/full:
+    ENOSPC on every write) was a traceback on that process alone while the others waited for it
+    in their next collective. Now one warning, then no more metrics files, and no error."""
+    m = _monitor(tmp_path, 0, **{"logging.tensorboard": "false"})
+    m.jsonl.close()
+    m.jsonl = open("/dev/full", "a", buffering=1)
+    for step in (1, 2):
+        m.log(step, {"loss": 1.0})
+    m.close()
+    err = capsys.readouterr().err
+    assert err.count("warning: writing the metrics under") == 1, err
+    assert f"{tmp_path} failed (No space left on device); metrics.jsonl and TensorBoard are off" in err, err
+    assert m.jsonl is None
+
+
 def test_fresh_starts_set_old_logs_aside_under_names_never_reused(tmp_path, monkeypatch):
     """Three runs from step 0 in one directory within the same second: each earlier run's
     metrics.jsonl and tb/ are kept under a name of their own (none overwritten, none mixed)."""

@@ -176,11 +176,15 @@ class Monitor:
         for k, v in metrics.items():
             clean[k] = v if not isinstance(v, float) or math.isfinite(v) else str(v)
         clean["time"] = round(time.time(), 3)
-        self.jsonl.write(json.dumps(clean) + "\n")
-        for k, v in metrics.items():
-            if isinstance(v, (int, float)) and not isinstance(v, bool):
-                if self.tb is not None:
-                    self.tb.add_scalar(k, v, step)
+        try:
+            if self.jsonl is not None:
+                self.jsonl.write(json.dumps(clean) + "\n")
+            for k, v in metrics.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    if self.tb is not None:
+                        self.tb.add_scalar(k, v, step)
+        except OSError as e:
+            self._files_failed(e)
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=step)
         if self.bar is not None and "loss" in metrics:
@@ -191,6 +195,21 @@ class Monitor:
                 post["val"] = f"{metrics['eval_loss']:.4f}"
             self.bar.set_postfix(post, refresh=False)
 
+    def _files_failed(self, e: OSError) -> None:
+        """A full disk (or a quota, a storage error) under metrics.jsonl or TensorBoard's files: only
+        this process writes them, so it alone would stop while the others waited for it in the
+        next collective. The run goes on without them (its next checkpoint save, on the same
+        disk, is a decision every process takes together)."""
+        info(f"warning: writing the metrics under {self.run_dir} failed ({e.strerror or e}); "
+             "metrics.jsonl and TensorBoard are off for the rest of this run")
+        for f in (self.jsonl, self.tb):
+            try:
+                if f is not None:
+                    f.close()
+            except OSError:
+                pass
+        self.jsonl = self.tb = None
+
     def advance(self, step: int) -> None:
         if self.bar is not None:
             self.bar.update(step - self.bar.n)
@@ -200,9 +219,11 @@ class Monitor:
             return
         if self.bar is not None:
             self.bar.close()
-        if self.tb is not None:
-            self.tb.close()
         if self.wandb is not None:
             self.wandb.finish()
-        if self.jsonl is not None:
-            self.jsonl.close()
+        try:
+            for f in (self.tb, self.jsonl):
+                if f is not None:
+                    f.close()  # flushes: a full disk shows here too
+        except OSError as e:
+            self._files_failed(e)
