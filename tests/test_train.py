@@ -501,6 +501,76 @@ def test_a_signal_during_the_final_save_does_not_cut_it_short(tmp_path, stdlib_d
     assert [p.name for p in (tmp_path / "run").glob("ckpt_*")] == ["ckpt_00000003.pt"]
 
 
+SIGTERM_IN_SAVE_OF_STEP_4 = """
+import os, signal
+from training.checkpoint import Checkpointer
+save = Checkpointer.save
+def save_with_a_signal(self, meta, *args, **kw):
+    if meta["step"] == 4:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return save(self, meta, *args, **kw)
+Checkpointer.save = save_with_a_signal
+"""
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_stop_during_a_periodic_save_ends_the_run_on_that_save(tmp_path, stdlib_data, async_save):
+    """A SIGTERM that arrives while a periodic checkpoint is written stops the run at that step,
+    with that checkpoint as its last: before, the run took one more step and saved again, which
+    doubled the time a preempted run needs before the launcher's SIGKILL."""
+    cfg = tiny_config(tmp_path, stdlib_data, **{"training.max_steps": 10, "checkpoint.interval": 4,
+                                                "checkpoint.async": async_save, "evaluation.interval": 0,
+                                                "logging.interval": 5})
+    r = run_patched(tmp_path, SIGTERM_IN_SAVE_OF_STEP_4, ["train.py", cfg])
+    assert r.returncode == 0 and "stopped at step 4 after SIGTERM" in r.stderr, r.stderr[-3000:]
+    assert [p.name for p in (tmp_path / "run").glob("ckpt_*")] == ["ckpt_00000004.pt"]
+    assert r.stderr.count("saved ") == 1, r.stderr[-3000:]
+
+
+SIGTERM_WHILE_RESTORING = """
+import os, signal
+from training.checkpoint import Checkpointer
+restore = Checkpointer.restore
+def restore_with_a_signal(self, *args, **kw):
+    os.kill(os.getpid(), signal.SIGTERM)
+    return restore(self, *args, **kw)
+Checkpointer.restore = restore_with_a_signal
+"""
+
+
+def test_a_stop_during_start_up_exits_cleanly_before_training(tmp_path, stdlib_data):
+    """A SIGTERM while a resumed run loads its checkpoint (start-up: before the training loop)
+    is a stop like any other: exit 0 with one line, nothing trained or saved. Before, the stop
+    handler was not there yet and the signal killed the process (exit -15)."""
+    over = {"checkpoint.interval": 0, "evaluation.interval": 0}
+    r = run(["train.py", str(tiny_config(tmp_path, stdlib_data, **over)), "training.max_steps=3"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = run_patched(tmp_path, SIGTERM_WHILE_RESTORING, ["train.py", tiny_config(tmp_path, stdlib_data, **over),
+                                                        "training.max_steps=6"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "stopped before step 4 after SIGTERM: nothing new to save" in r.stderr, r.stderr[-3000:]
+    assert [p.name for p in (tmp_path / "run").glob("ckpt_*")] == ["ckpt_00000003.pt"]
+    assert max(losses(tmp_path / "run")) == 3
+
+
+CLOSING_THE_LOGS_FAILS = """
+from training.monitor import Monitor
+def close(self):
+    raise RuntimeError("closing the logs failed")
+Monitor.close = close
+"""
+
+
+def test_an_error_while_closing_the_logs_still_stops_the_data_workers(tmp_path, stdlib_data):
+    """The loop's clean-up runs each step even when one before it fails: an error from the
+    logs' close left the DataLoader workers running, which ignore SIGTERM, and the process then
+    waited for them at exit for ever."""
+    cfg = tiny_config(tmp_path, stdlib_data, **{"training.max_steps": 2, "data.num_workers": 1,
+                                                "checkpoint.interval": 0, "evaluation.interval": 0})
+    r = run_patched(tmp_path, CLOSING_THE_LOGS_FAILS, ["train.py", cfg])  # a hang fails by its timeout
+    assert r.returncode == 1 and "RuntimeError: closing the logs failed" in r.stderr, r.stderr[-3000:]
+
+
 def test_init_from_takes_the_weights_of_a_run_with_another_optimizer(tmp_path, stdlib_data):
     """checkpoint.init_from loads weights only, so the optimizer of the run they come from does
     not matter (fine-tuning with AdamW from a Muon run was refused as if resuming); resuming with
@@ -630,6 +700,37 @@ def full(self, *args, **kwargs):
 pathlib.Path.mkdir = full
 """
 
+
+
+RANK_1_WRITES_ON_A_FULL_DISK = """
+import errno, os
+from torch.distributed.checkpoint import FileSystemWriter
+write_data = FileSystemWriter.write_data
+def full(self, plan, planner):
+    if os.environ.get("RANK") == "1":
+        raise OSError(errno.ENOSPC, "No space left on device")
+    return write_data(self, plan, planner)
+FileSystemWriter.write_data = full
+"""
+
+
+@needs_torchrun
+def test_a_sharded_save_whose_shards_fail_says_why_and_leaves_no_shards(tmp_path, stdlib_data):
+    """A DCP save that fails while the shards are written (rank 1's disk is full): every process
+    stops with the failing process's error and the space left, in one line (it was DCP's
+    "CheckpointException ranks:dict_keys([1])"), and the master deletes the partial directory at
+    once (it stayed until the next start, keeping a full disk full)."""
+    cfg = tiny_config(tmp_path, stdlib_data, **{"training.fsdp": True, "training.max_steps": 4,
+                                                "checkpoint.interval": 2})
+    script = patched_script(tmp_path, RANK_1_WRITES_ON_A_FULL_DISK, ["train.py", cfg, "training.batch_size=2"])
+    proc = subprocess.run([TORCHRUN, "--standalone", "--nproc_per_node=2", str(script)], cwd=ROOT,
+                          env=ENV, capture_output=True, text=True, timeout=300)
+    workers = proc.stderr.split("ChildFailedError")[0]
+    want = (f"train.py: error: {tmp_path / 'run'}: saving a checkpoint failed (process 1: [Errno 28] "
+            "No space left on device; ")
+    assert proc.returncode != 0 and workers.count(want) == 2, proc.stderr[-3000:]
+    assert workers.count("MiB free on its disk)") == 2
+    assert not (tmp_path / "run" / "ckpt_00000002").exists()
 
 @needs_torchrun
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])

@@ -656,6 +656,7 @@ class Checkpointer:
 
     def _write_dcp(self, path: Path, tensors: dict, marker: dict) -> None:
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException as DCPCheckpointException
 
         group = self.backend.ckpt_group
         error = None
@@ -677,8 +678,16 @@ class Checkpointer:
             # and asks the PrivateUse1 device module for streams: with torchax installed (JAX, for
             # xla.scan_layers) that module has none and every save failed.
             writer = dcp.FileSystemWriter(path, sync_files=True, per_thread_copy_ahead=0)
-            dcp.save(tensors, storage_writer=writer,
-                     planner=self.backend.dcp_save_planner(), process_group=group, no_dist=group is None)
+            try:
+                dcp.save(tensors, storage_writer=writer, planner=self.backend.dcp_save_planner(),
+                         process_group=group, no_dist=group is None)
+            except DCPCheckpointException:
+                # Every process has it (DCP gathers the writers' results before it decides), so
+                # none writes here any more: the shards go now, not at the next start (on a full
+                # disk they would keep it full).
+                if self.backend.is_master:
+                    _delete(path)
+                raise
         # dcp.save returned: every writer finished and the coordinator (the master) wrote .metadata.
         if self.backend.is_master:
             atomic_write_json({**marker, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")},
@@ -708,7 +717,23 @@ class Checkpointer:
             raise CheckpointError(f"{self.run_dir}: saving a checkpoint failed on another process")
         if isinstance(e, CheckpointError):
             raise e
-        raise CheckpointError(f"{self.run_dir}: saving a checkpoint failed ({first_line(e)})") from e
+        raise CheckpointError(f"{self.run_dir}: saving a checkpoint failed ({self._why(e)})") from e
+
+    def _why(self, e: BaseException) -> str:
+        """A failed save in one line: DCP's CheckpointException by its first failing process's
+        error, and the space left where the run saves (torch's writer reports a full disk as
+        "unexpected pos N vs M")."""
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict) and failures:
+            rank = min(failures)
+            why = f"process {rank}: {first_line(failures[rank][0])}"
+        else:
+            why = first_line(e)
+        try:
+            why += f"; {shutil.disk_usage(self.run_dir).free / 2 ** 20:,.0f} MiB free on its disk"
+        except OSError:
+            pass
+        return why
 
     def rotate(self, newest: int | None = None) -> list[Path]:
         """The master deletes committed checkpoints older than ``newest`` beyond ``keep``."""

@@ -8,6 +8,7 @@ the host: losses, norms and counters stay on the device and reach the host throu
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import random
@@ -181,6 +182,7 @@ class Trainer:
             self.log_line(f"initial weights from {init_path}")
             del init
         self.finished = False
+        self.saved_step = None  # the step of this run's latest save
         # The schedule's position is the step, or with a token budget the tokens trained on in
         # steps of this run's size: the same when the tokens per step did not change since the
         # checkpoint, and a continuation of the cosine where they did (lr_at takes a fraction).
@@ -431,6 +433,7 @@ class Trainer:
             "trainer": self.backend.name,
         }
         self.checkpointer.save(meta, self.train_model, self.optimizer, reason, wait=wait)
+        self.saved_step = state.step
         self.paused_seconds += time.time() - t0  # not training time: left out of tokens_per_sec
 
     # -- the loop ----------------------------------------------------------------------------
@@ -438,8 +441,14 @@ class Trainer:
         """Train to ``max_steps`` (or a stop decision), save, and return the exit code."""
         if self.finished:
             return 0
-        STOP.install()
+        STOP.install()  # train() installed it before start-up already
         try:
+            if self.should_stop() == "signal":  # during start-up (a checkpoint loading, a compile)
+                why = STOP.signal_name or "a stop signal on another process"
+                self.log_line(f"stopped before step {self.state.step + 1} after {why}: nothing new to "
+                              "save; resume with the same command")
+                self._close()
+                return 0
             return self._finish(self._train_loop())
         finally:
             STOP.restore()  # after the last save: a signal repeated during it must not cut it short
@@ -470,24 +479,41 @@ class Trainer:
                 backend.sync()
                 self.monitor.advance(state.step)
 
+                saving = cfg.checkpoint.interval > 0 and state.step % cfg.checkpoint.interval == 0 and not last
+                if saving:
+                    self.save("interval")
                 # Decisions together, after every step or at log steps (every process logs at
-                # the same steps): Backend.decides_every_step.
-                if do_log or backend.decides_every_step:
+                # the same steps): Backend.decides_every_step; and after a periodic save, so that a
+                # stop requested before or during it ends the run on the state it just saved.
+                if saving or do_log or backend.decides_every_step:
                     reason = self.should_stop()
                     if reason is not None:
                         exit_reason = reason
                         break
-                if cfg.checkpoint.interval > 0 and state.step % cfg.checkpoint.interval == 0 and not last:
-                    self.save("interval")
         except BaseException:
             self.checkpointer.wait(quiet=True)  # a save in flight still commits if it can
             raise
         finally:
-            backend.wait_host()  # the last log lines reach metrics.jsonl before it closes
-            self.monitor.close()
-            backend.close_batches(self.batches)  # stop prefetching and join the data workers
-            self.stream.close()
+            self._close()
         return exit_reason
+
+    def _close(self) -> None:
+        """Flush the logs, stop the data. Each step runs even if one before it fails: data workers
+        left running would hang the exit (they ignore SIGTERM, which multiprocessing sends them
+        before it joins them)."""
+        with contextlib.ExitStack() as cleanup:  # callbacks run last in, first out
+            cleanup.callback(self.stream.close)
+            cleanup.callback(self.backend.close_batches, self.batches)  # stop prefetching, join the workers
+            cleanup.callback(self.monitor.close)
+            cleanup.callback(self.backend.wait_host)  # the last log lines reach metrics.jsonl first
+
+    def _save_last(self, reason: str) -> None:
+        """The run's last save, committed before returning; none when the periodic save of this
+        very step is the state (a stop decided right after it): that one is waited for."""
+        if self.saved_step == self.state.step:
+            self.checkpointer.wait()
+        else:
+            self.save(reason, wait=True)
 
     def _finish(self, exit_reason: str) -> int:
         state = self.state
@@ -496,7 +522,7 @@ class Trainer:
             # them in an asynchronous closure): a run that diverged at its end is not "done"
             exit_reason = "nonfinite"
         if exit_reason == "nonfinite":
-            self.save("non-finite loss", wait=True)
+            self._save_last("non-finite loss")
             self.log_line(
                 f"error: the loss or gradient was NaN/Inf for {self.cfg.training.max_nonfinite_steps} "
                 f"steps in a row (step {state.step}); updates were skipped, so the checkpoint holds "
@@ -504,7 +530,7 @@ class Trainer:
                 "precision=fp32.")
             self.backend.finish(self.run_dir, self.log_line)
             return 3
-        self.save("signal" if exit_reason == "signal" else "final", wait=True)
+        self._save_last("signal" if exit_reason == "signal" else "final")
         if exit_reason == "signal":
             why = STOP.signal_name or "a stop signal on another process"
             self.log_line(f"stopped at step {state.step} after {why}; resume with the same command")
@@ -517,8 +543,13 @@ class Trainer:
 
 
 def train(cfg: Config, backend: Backend) -> int:
-    """Run (or resume) training as the config says; returns the process exit code."""
-    return Trainer(cfg, backend).fit()
+    """Run (or resume) training as the config says; returns the process exit code. A SIGTERM or
+    Ctrl+C from here on asks for a stop (start-up included), which ``fit`` honours."""
+    STOP.install()
+    try:
+        return Trainer(cfg, backend).fit()
+    finally:
+        STOP.restore()
 
 
 def _yaml(tree: dict) -> str:
