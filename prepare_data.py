@@ -44,6 +44,9 @@ EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
 N_BYTES = 256  # the byte-level alphabet: every byte has its own token
 DEFAULT_VOCAB_SIZE = 32768
+# The largest --vocab-size: ids are stored as uint32, and the BPE trainer allocates for the whole
+# vocabulary up front (a --vocab-size of 1G aborted inside it with a Rust panic)
+MAX_VOCAB_SIZE = 1 << 24
 RECORD_KINDS = {".jsonl": "json", ".json": "json", ".ndjson": "json", ".parquet": "parquet"}
 JSON_LINES = {".jsonl", ".ndjson"}  # read line by line here; .json and .parquet through datasets
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -178,6 +181,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         if args.vocab_size < minimum:
             raise DataError(f"--vocab-size {args.vocab_size} is below the {N_BYTES} byte tokens + 2 "
                             f"special tokens ({minimum})")
+        if args.vocab_size > MAX_VOCAB_SIZE:
+            raise DataError(f"--vocab-size {args.vocab_size} is above the largest supported, "
+                            f"{MAX_VOCAB_SIZE} (2**24)")
     return args
 
 

@@ -627,6 +627,9 @@ def _bad_cases(tmp: Path) -> dict:
             str(tmp / "records.jsonl"), old),
         "broken jsonl": (["--input", tmp / "broken.jsonl", "--out", tmp / "o"], str(tmp / "broken.jsonl"), None),
         "vocab below bytes + specials": (["--input", ok, "--vocab-size", 257, "--out", tmp / "o"], "257", None),
+        # the BPE trainer allocates for the whole vocabulary up front: it aborted with a Rust panic
+        "vocab size huge": (["--input", ok, "--vocab-size", "1G", "--out", tmp / "o"], "--vocab-size 1000000000",
+                            None),
         "output is a file": (["--input", ok, "--out", tmp / "afile"], str(tmp / "afile"), None),
         "existing output without --overwrite": (["--input", ok, "--out", old], "--overwrite", old),
         "overwrite a foreign directory": (["--input", ok, "--out", foreign, "--overwrite"], "notes.md", foreign),
