@@ -21,6 +21,7 @@ output (replaced only with `--overwrite`) stays intact until the new one is read
 from __future__ import annotations
 
 import argparse
+import errno
 import fnmatch
 import hashlib
 import json
@@ -659,21 +660,40 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def install(staging: Path, out: Path) -> None:
-    """Put the finished staging directory at `out`, replacing an old output there."""
+def install(staging: Path, out: Path, given: str, overwrite: bool) -> None:
+    """Put the finished staging directory at `out`, replacing an old output there only with
+    `overwrite`. What is at `out` may have changed since check_out (another run finished there, a
+    user's files): without `overwrite` it is never replaced (a rename onto a non-empty directory
+    fails; onto an empty one it replaces it), with it check_out's content check runs again."""
     _fsync_dir(staging)
-    if out.exists():
-        old = out.with_name(f".{out.name}.old-{os.getpid()}-{secrets.token_hex(4)}")
-        os.rename(out, old)
-        try:
-            os.rename(staging, out)
-        except BaseException:
-            os.rename(old, out)
-            raise
-        shutil.rmtree(old)
-    else:
+    old = None
+    if overwrite:
+        check_out(out, given, overwrite)
+        if out.is_dir() and any(out.iterdir()):
+            old = out.with_name(f".{out.name}.old-{os.getpid()}-{secrets.token_hex(4)}")
+            os.rename(out, old)
+    try:
         os.rename(staging, out)
-    _fsync_dir(out.parent)
+    except BaseException as e:
+        if old is not None:
+            os.rename(old, out)
+        if isinstance(e, OSError) and e.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+            found = "a non-empty directory" if out.is_dir() else "a file"
+            raise DataError(f"--out {given}: {found} appeared there while this run worked; left as it is "
+                            f"(pass --overwrite to replace an earlier output)") from None
+        raise
+    # The new output is in place: the install is done whatever happens from here (an interrupt
+    # or an error while deleting the old output leaves a directory to remove, nothing else).
+    try:
+        if old is not None:
+            shutil.rmtree(old)
+        _fsync_dir(out.parent)
+    except BaseException as e:
+        why = "interrupted" if isinstance(e, KeyboardInterrupt) else one_line(e)
+        if old is not None and old.exists():
+            warn(f"--out {given} is complete, but deleting the previous output failed ({why}): remove {old}")
+        else:
+            warn(f"--out {given} is complete, but syncing {out.parent} failed ({why})")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -802,7 +822,7 @@ def prepare(args: argparse.Namespace, argv: list[str]) -> str:
             "created_by": PROG,
         }
         write_atomic(staging / "meta.json", (json.dumps(meta, indent=2) + "\n").encode())
-        install(staging, out)
+        install(staging, out, args.out, args.overwrite)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         for p in created:  # the parents this run made, innermost first

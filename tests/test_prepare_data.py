@@ -549,6 +549,70 @@ def test_empty_existing_directory_is_used(tmp_path):
     assert (tmp_path / "out" / "meta.json").is_file()
 
 
+def _meanwhile(monkeypatch, action):
+    """Run `action` while the corpus is encoded: after check_out, before the output is installed."""
+    real = prepare_data.encode_corpus
+
+    def encode_corpus(*args, **kwargs):
+        action()
+        return real(*args, **kwargs)
+    monkeypatch.setattr(prepare_data, "encode_corpus", encode_corpus)
+
+
+def test_what_appears_at_out_meanwhile_is_never_replaced_without_overwrite(tmp_path, monkeypatch, capsys):
+    """--out did not exist (or was empty) at the start; another run's output or a user's file
+    that appears there before the end is left as it is: one-line error naming --out, exit 2."""
+    src = write_docs(tmp_path / "src", {"a.txt": "alpha", "b.txt": "beta"})
+    out = tmp_path / "out"
+    _meanwhile(monkeypatch, lambda: write_docs(out, {"mine.txt": "precious"}))
+    assert run("--input", src, "--vocab-size", 300, "--out", out) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"prepare_data.py: error: --out {out}: a non-empty directory appeared there while this run "
+        "worked; left as it is (pass --overwrite to replace an earlier output)")
+    assert snapshot(out) and [p.name for p in out.iterdir()] == ["mine.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "src"]  # no staging left
+    # an empty directory that appears meanwhile is replaced, as one there at the start is
+    out2 = tmp_path / "out2"
+    _meanwhile(monkeypatch, lambda: out2.mkdir())
+    assert run("--input", src, "--vocab-size", 300, "--out", out2) == 0
+    assert all_documents(out2) == Counter(["alpha", "beta"])
+
+
+def test_overwrite_checks_the_output_again_before_replacing_it(tmp_path, monkeypatch, capsys):
+    src = write_docs(tmp_path / "src", {"a.txt": "alpha", "b.txt": "beta"})
+    out = tmp_path / "out"
+    assert run("--input", src, "--vocab-size", 300, "--out", out) == 0
+    before = snapshot(out)
+    _meanwhile(monkeypatch, lambda: (out / "notes.md").write_text("mine"))
+    assert run("--input", src, "--vocab-size", 300, "--out", out, "--overwrite") == 2
+    assert f"--out {out}: holds 'notes.md'" in capsys.readouterr().err
+    assert (out / "notes.md").read_text() == "mine"
+    assert {k: v for k, v in snapshot(out).items() if k != "notes.md"} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "src"]
+
+
+def test_a_failure_deleting_the_old_output_after_the_install_is_a_warning(tmp_path, monkeypatch, capsys):
+    """Once the new output is renamed into place the run has succeeded: an interrupt while the
+    old one is deleted leaves that directory behind, named in a warning, and exits 0."""
+    src = write_docs(tmp_path / "src", {"a.txt": "alpha", "b.txt": "beta"})
+    out = tmp_path / "out"
+    assert run("--input", src, "--vocab-size", 300, "--out", out) == 0
+    real = shutil.rmtree
+
+    def rmtree(path, *args, **kwargs):
+        if ".out.old-" in str(path):
+            raise KeyboardInterrupt
+        return real(path, *args, **kwargs)
+    monkeypatch.setattr(shutil, "rmtree", rmtree)
+    capsys.readouterr()
+    assert run("--input", src, "--vocab-size", 300, "--val-fraction", 0.5, "--out", out, "--overwrite") == 0
+    err = capsys.readouterr().err
+    [old] = [p for p in tmp_path.iterdir() if p.name.startswith(".out.old-")]
+    assert f"--out {out} is complete, but deleting the previous output failed (interrupted): remove {old}" in err
+    assert "nothing was written" not in err
+    assert meta_of(out)["val_fraction"] == 0.5 and meta_of(old)["val_fraction"] == 0.005
+
+
 def test_interrupted_run_leaves_nothing(tmp_path, monkeypatch):
     src = write_docs(tmp_path / "src", {f"{i}.txt": f"text {i} " * 50 for i in range(6)})
     calls = []
