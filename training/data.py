@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import signal
+from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
@@ -44,12 +45,19 @@ def data_change_warning(ckpt: dict, data: Path | dict, where: str) -> str | None
     return f"warning: the checkpoint was saved while training on other data (meta.json differs): {where}"
 
 
+# Shards kept memory-mapped at once by one dataset in one process (each DataLoader worker has its
+# own): a map holds a file descriptor, and mapping every shard ran out of them at ~1,000 shards
+# under the usual limit of 1,024 (100B tokens at the default 100M tokens a shard).
+OPEN_SHARDS = 32
+
+
 class TokenWindows(Dataset):
     """Non-overlapping windows of ``seq_len + 1`` tokens over every shard of one split.
 
     Sample ``i`` is ``(x, y)`` with ``y`` the tokens of ``x`` shifted by one. Windows do not cross
-    shard boundaries; the tail of a shard shorter than a window is not used. Shards stay memory
-    mapped: nothing is read until a sample is asked for.
+    shard boundaries; the tail of a shard shorter than a window is not used. Every shard is checked
+    against meta.json at start, then memory mapped when a sample is first read from it: at most
+    ``OPEN_SHARDS`` at a time, the least recently used closed first.
     """
 
     def __init__(self, data_dir: str | Path, split: str, seq_len: int):
@@ -69,25 +77,49 @@ class TokenWindows(Dataset):
         self.seq_len = seq_len
         self.eos_id = meta.get("eos_id")
         self.paths = [path for path, _ in entries]
-        self.shards = [self._open(path, tokens, dtype) for path, tokens in entries]
-        counts = [max(0, (arr.shape[0] - 1) // seq_len) for arr in self.shards]
+        self.lengths, self._headers = [], []  # tokens of each shard, and where they start in its file
+        self.dtype = None
+        for path, tokens in entries:
+            arr = self._open(path, tokens, dtype)  # checked now; unmapped (its descriptor closed) when dropped
+            self.lengths.append(arr.shape[0])
+            self._headers.append(arr.offset)
+            self.dtype = arr.dtype
+        self._maps: OrderedDict[int, np.ndarray] = OrderedDict()  # shard index -> its map, oldest use first
+        counts = [max(0, (n - 1) // seq_len) for n in self.lengths]
         self.offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         if self.offsets[-1] == 0:
             raise ConfigError(f"{self.dir}: the {split} split has fewer than seq_len + 1 = "
                               f"{seq_len + 1} tokens in every shard")
 
     @staticmethod
-    def _open(path: Path, tokens: int | None = None, dtype: str | None = None) -> np.ndarray:
-        """A shard memory-mapped, checked against its meta.json entry when one is given."""
+    def _open(path: Path, tokens: int, dtype: str) -> np.memmap:
+        """A shard memory-mapped, checked against its meta.json entry."""
         try:
             arr = np.load(path, mmap_mode="r", allow_pickle=False)
         except (OSError, ValueError) as e:
             raise ConfigError(f"{path}: cannot open shard ({e})") from None
         except EOFError:
             raise ConfigError(f"{path}: cannot open shard (an empty file)") from None
-        if tokens is not None and (arr.ndim != 1 or arr.shape[0] != tokens or arr.dtype.name != dtype):
+        if arr.ndim != 1 or arr.shape[0] != tokens or arr.dtype.name != dtype:
             raise ConfigError(f"{path}: {arr.dtype.name}[{arr.shape[0]}] does not match meta.json "
                               f"({dtype}[{tokens}])")
+        return arr
+
+    def shard(self, s: int) -> np.ndarray:
+        """Shard ``s`` memory-mapped: from the cache, or mapped again from what its header said at
+        start (closing the least recently used map when ``OPEN_SHARDS`` are open)."""
+        arr = self._maps.get(s)
+        if arr is not None:
+            self._maps.move_to_end(s)
+            return arr
+        if len(self._maps) >= OPEN_SHARDS:
+            self._maps.popitem(last=False)
+        try:
+            arr = np.memmap(self.paths[s], dtype=self.dtype, mode="r", offset=self._headers[s],
+                            shape=(self.lengths[s],))
+        except (OSError, ValueError) as e:  # removed or truncated since the start
+            raise ConfigError(f"{self.paths[s]}: cannot open shard ({e})") from None
+        self._maps[s] = arr
         return arr
 
     def __getstate__(self) -> dict:
@@ -95,12 +127,8 @@ class TokenWindows(Dataset):
         # 3.14) gets this object pickled: a pickled memmap is a copy of all its data, so the
         # worker maps the shards again instead
         state = dict(self.__dict__)
-        state["shards"] = None
+        state["_maps"] = OrderedDict()
         return state
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self.shards = [self._open(path) for path in self.paths]
 
     def __len__(self) -> int:
         return int(self.offsets[-1])
@@ -112,7 +140,7 @@ class TokenWindows(Dataset):
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         s, start = self.locate(i)
-        w = torch.from_numpy(self.shards[s][start:start + self.seq_len + 1].astype(np.int64))
+        w = torch.from_numpy(self.shard(s)[start:start + self.seq_len + 1].astype(np.int64))
         return w[:-1], w[1:]
 
     def check_ids(self, indices) -> None:
@@ -121,7 +149,7 @@ class TokenWindows(Dataset):
         tokenizer): in the model it would be an index error, on CUDA a device-side assert."""
         for i in indices:
             s, start = self.locate(int(i))
-            w = np.asarray(self.shards[s][start:start + self.seq_len + 1])
+            w = np.asarray(self.shard(s)[start:start + self.seq_len + 1])
             bad = np.flatnonzero(w >= self.vocab_size)
             if bad.size:
                 raise ConfigError(f"{self.paths[s]}: token {start + int(bad[0])} is id {int(w[bad[0]])}, not "
