@@ -56,6 +56,10 @@ BATCH_DOCS = 4096
 # A document longer than this (characters) is encoded in pieces of about this size, a few at a time:
 # whole, the tokenizer holds ~200 bytes per byte of text (an 11 MB file peaked at 2.5 GB)
 PIECE_CHARS = 1 << 20
+# A document longer than this (characters) is split between the splits: its last --val-fraction,
+# cut after a line end, is a val document and the rest a train one, so one large file (the
+# classic input.txt) gives both. Shorter documents go to one split whole, chosen by their content.
+SPLIT_CHARS = 1 << 20
 RECORD_BATCH = 1024  # records read at a time from json/parquet/datasets
 
 
@@ -148,7 +152,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     out.add_argument("--shard-tokens", type=size, default=100_000_000, metavar="N",
                      help="at most N tokens per shard (default 100M)")
     out.add_argument("--val-fraction", type=float, default=0.005, metavar="F",
-                     help="fraction of the documents in the val split (default 0.005)")
+                     help="fraction of the documents in the val split, and the share of each "
+                          "document over 1M characters (its end) that goes there (default 0.005)")
     out.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the train/val split (default 0)")
     chk = p.add_argument_group("checking")
     chk.add_argument("--verify", metavar="DIR",
@@ -700,17 +705,36 @@ def install(staging: Path, out: Path, given: str, overwrite: bool) -> None:
 # The pipeline
 
 
-def _batches(docs: Iterator[tuple[str, bytes]]) -> Iterator[tuple[list[str], list[bytes]]]:
-    texts, datas, nbytes = [], [], 0
-    for text, data in docs:
+def _batches(docs: Iterator[tuple[str, bytes, str | None]]) -> Iterator[tuple[list[str], list[tuple]]]:
+    """(texts, each text's (bytes, split)) of about BATCH_BYTES of text or BATCH_DOCS documents."""
+    texts, rest, nbytes = [], [], 0
+    for text, data, split in docs:
         texts.append(text)
-        datas.append(data)
+        rest.append((data, split))
         nbytes += len(data)
         if nbytes >= BATCH_BYTES or len(texts) >= BATCH_DOCS:
-            yield texts, datas
-            texts, datas, nbytes = [], [], 0
+            yield texts, rest
+            texts, rest, nbytes = [], [], 0
     if texts:
-        yield texts, datas
+        yield texts, rest
+
+
+def split_large(docs: Iterator[tuple[str, bytes]], val_fraction: float) -> Iterator[tuple[str, bytes, str | None]]:
+    """(text, its bytes, its split) for every document: None (chosen later from its content) for
+    one of at most SPLIT_CHARS characters; a longer one is two documents, its last
+    `val_fraction` for val and the rest for train, cut after a line end in the last
+    2 x `val_fraction` (none there: at the character)."""
+    for text, data in docs:
+        n = len(text)
+        if n <= SPLIT_CHARS:
+            yield text, data, None
+            continue
+        want = max(1, round(val_fraction * n))
+        nl = text.rfind("\n", max(0, n - 2 * want), n - want)
+        cut = nl + 1 if nl != -1 else n - want
+        tail = text[cut:].encode()
+        yield text[cut:], tail, "val"  # first: --max-tokens stops only after the train part
+        yield text[:cut], memoryview(data)[:len(data) - len(tail)], "train"  # a view: no copy of the bytes
 
 
 def text_pieces(text: str, size: int | None = None) -> Iterator[str]:
@@ -751,13 +775,18 @@ def pieces_are_exact(tokenizer) -> bool:
 
 
 def _sample(docs: Iterator[tuple[str, bytes]], limit: int, stats: dict) -> Iterator[str]:
-    """The first documents, up to `limit` bytes (the last one may overshoot), long ones in pieces
-    (the trainer counts pre-tokens, which pieces keep); counts them in stats."""
+    """The first `limit` bytes of text (the last document cut short, at a character boundary),
+    long documents in pieces (the trainer counts pre-tokens, which pieces keep); counts them in
+    stats."""
     for text, data in docs:
+        last = len(data) >= limit - stats["sample_bytes"]
+        if last:
+            text = data[:limit - stats["sample_bytes"]].decode("utf-8", errors="ignore")  # drops a character cut in two
+            data = text.encode()
         stats["sample_documents"] += 1
         stats["sample_bytes"] += len(data)
         yield from text_pieces(text)
-        if stats["sample_bytes"] >= limit:
+        if last:
             return
 
 
@@ -886,30 +915,33 @@ def encode_corpus(corpus: Corpus, spec: TokenizerSpec, dtype, folder: Path,
             out.append(np.concatenate(parts))
         return out
 
-    def consume(datas, encoded):
+    def consume(rest, encoded):
         nonlocal total_tokens, stop
         flat = {"train": [], "val": []}  # runs of ids: lists, and the arrays of long documents
         ndocs = {"train": 0, "val": 0}
         done = 0
-        for data, ids in zip(datas, encoded):
+        for (data, part_of), ids in zip(rest, encoded):
             done += 1
             if isinstance(ids, np.ndarray):
                 ids = np.append(ids, np.uint32(eos))
             else:
                 ids.append(eos)
             total_tokens += len(ids)
-            key = split_key(hasher, data)
-            split = "val" if key < args.val_fraction else "train"
-            assigned[split] += 1
-            held = reserve[split]
-            if held is not None and key == held[0]:
-                held[1].append(ids)
-                out = []
-            elif held is None or (key < held[0] if split == "train" else key > held[0]):
-                reserve[split] = (key, [ids])
-                out = held[1] if held is not None else []
+            if part_of is not None:  # a part of a large document: its split is fixed, never held back
+                split, out = part_of, [ids]
             else:
-                out = [ids]
+                key = split_key(hasher, data)
+                split = "val" if key < args.val_fraction else "train"
+                held = reserve[split]
+                if held is not None and key == held[0]:
+                    held[1].append(ids)
+                    out = []
+                elif held is None or (key < held[0] if split == "train" else key > held[0]):
+                    reserve[split] = (key, [ids])
+                    out = held[1] if held is not None else []
+                else:
+                    out = [ids]
+            assigned[split] += 1
             for ids in out:
                 runs = flat[split]
                 if isinstance(ids, list) and runs and isinstance(runs[-1], list):
@@ -917,7 +949,8 @@ def encode_corpus(corpus: Corpus, spec: TokenizerSpec, dtype, folder: Path,
                 else:
                     runs.append(ids if isinstance(ids, np.ndarray) else list(ids))
                 ndocs[split] += 1
-            if args.max_tokens is not None and total_tokens >= args.max_tokens:
+            # a large document's train part follows its val part: --max-tokens keeps them together
+            if args.max_tokens is not None and total_tokens >= args.max_tokens and part_of != "val":
                 stop = True
                 break
         for split, runs in flat.items():
@@ -929,8 +962,8 @@ def encode_corpus(corpus: Corpus, spec: TokenizerSpec, dtype, folder: Path,
     t0 = time.time()
     with ThreadPoolExecutor(max_workers=1) as pool:  # encode batch k+1 while storing batch k
         pending = None
-        for texts, datas in _batches(corpus.documents()):
-            job = (datas, pool.submit(encode, texts))
+        for texts, rest in _batches(split_large(corpus.documents(), args.val_fraction)):
+            job = (rest, pool.submit(encode, texts))
             if pending is not None:
                 bar.update(consume(pending[0], pending[1].result()))
             pending = job
@@ -954,9 +987,18 @@ def encode_corpus(corpus: Corpus, spec: TokenizerSpec, dtype, folder: Path,
     for split, dest in moves.items():
         for ids in held[split]:
             writers[dest].add(ids, 1)
+    # train.py needs both splits: an empty one is an error here, not after the work of a run there
     if writers["val"].documents == 0:
-        warn("only one document: the val split is empty" if n_docs == 1 else
-             "the val split is empty: the documents are copies of one text (identical documents share a split)")
+        why = (f"the corpus is one document of {writers['train'].tokens:,} tokens, and only documents over "
+               f"{SPLIT_CHARS:,} characters are split between train and val" if n_docs == 1 else
+               "the documents are copies of one text (identical documents share a split)")
+        raise DataError(f"the val split would be empty: {why}; give more documents (several files, "
+                        "or JSON-lines records, one per document)")
+    share = writers["val"].tokens / (writers["val"].tokens + writers["train"].tokens)
+    if share > 3 * args.val_fraction and share > args.val_fraction + 0.02:  # not the chance of a few documents
+        warn(f"the val split holds {share:.1%} of the tokens, far more than --val-fraction "
+             f"{args.val_fraction}: documents of at most {SPLIT_CHARS:,} characters go to a split whole, "
+             f"and there are few ({n_docs:,}); more, smaller documents give a closer split")
     return {split: w.close() for split, w in writers.items()}
 
 

@@ -336,7 +336,7 @@ def test_split_invariants(stdlib_data, docs, copies, val_fraction, shard_tokens,
         rc = run("--input", path, "--tokenizer", stdlib_data, "--val-fraction", val_fraction,
                  "--shard-tokens", shard_tokens, "--seed", seed, "--out", out)
         kept = [t for t in docs if t]
-        if not kept:
+        if len(set(kept)) < 2:  # no documents, or copies of one text: one split would be empty
             assert rc == 2 and not out.exists()
             return
         assert rc == 0
@@ -357,6 +357,35 @@ def test_split_invariants(stdlib_data, docs, copies, val_fraction, shard_tokens,
         for split in ("train", "val"):
             sizes = [s["tokens"] for s in meta["splits"][split]["shards"]]
             assert all(n == shard_tokens for n in sizes[:-1]) and all(0 < n <= shard_tokens for n in sizes)
+
+
+def test_a_large_document_is_split_between_train_and_val(tmp_path, monkeypatch, capsys):
+    """One plain-text file (the classic input.txt) gave an empty val split, which train.py refuses.
+    A document over SPLIT_CHARS gives its last --val-fraction, cut after a line end, to val and
+    the rest to train; shorter documents go to one split whole, as before. A val split that
+    would still be empty is an error here."""
+    monkeypatch.setattr(prepare_data, "SPLIT_CHARS", 5000)
+    lines = [f"line {i}: " + "word " * (i % 13) for i in range(2000)]
+    text = "\n".join(lines) + "\n"
+    src = write_docs(tmp_path / "src", {"big.txt": text, "small.txt": "a small document\n"})
+    out = tmp_path / "out"
+    assert run("--input", src, "--vocab-size", 300, "--val-fraction", 0.05, "--out", out) == 0
+    val, train = documents(out, "val"), documents(out, "train")
+    [tail] = [d for d in val if d != "a small document\n"]
+    [head] = [d for d in train if d != "a small document\n"]
+    assert head + tail == text and head.endswith("\n")
+    assert 0.05 * len(text) <= len(tail) < 0.1 * len(text)
+    # only a small document: no val split, one line saying why
+    one = write_docs(tmp_path / "one", {"a.txt": "a small document\n"})
+    capsys.readouterr()
+    assert run("--input", one, "--vocab-size", 300, "--out", tmp_path / "o1") == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1].startswith("prepare_data.py: error: the val split would be empty: the corpus is one document")
+    assert not (tmp_path / "o1").exists()
+    # four documents: one goes to val, a quarter of the tokens against --val-fraction 0.005
+    four = write_docs(tmp_path / "four", {f"{i}.txt": f"document {i}\n" * 50 for i in range(4)})
+    assert run("--input", four, "--vocab-size", 300, "--out", tmp_path / "o4") == 0
+    assert "far more than --val-fraction 0.005" in capsys.readouterr().err
 
 
 # --- inputs ----------------------------------------------------------------------------------------
@@ -472,12 +501,19 @@ def test_max_docs_and_max_tokens(stdlib_data, tmp_path):
     assert limit <= total < limit + longest
 
 
-def test_tokenizer_sample_bytes_bounds_the_training_text(tmp_path):
-    src = write_docs(tmp_path / "src", {f"{i}.txt": "x" * 1000 for i in range(10)})
+def test_tokenizer_sample_bytes_bounds_the_training_text(tmp_path, monkeypatch):
+    """The first N bytes, the last document cut short: inside one large document too (only the
+    documents were counted: one big file was the whole sample whatever N)."""
+    src = write_docs(tmp_path / "src", {f"{i}.txt": f"{i}" + "x" * 999 for i in range(10)})
     out = tmp_path / "out"
     assert run("--input", src, "--vocab-size", 300, "--tokenizer-sample-bytes", 2500, "--out", out) == 0
     assert meta_of(out)["tokenizer"] == {"source": "trained", "vocab_size_requested": 300,
-                                             "sample_documents": 3, "sample_bytes": 3000}
+                                             "sample_documents": 3, "sample_bytes": 2500}
+    monkeypatch.setattr(prepare_data, "PIECE_CHARS", 100)  # the document is sampled in pieces
+    big = write_docs(tmp_path / "big", {"a.txt": "é é\n" * 2000, "b.txt": "another"})  # 6 bytes a line, 2 per é
+    assert run("--input", big, "--vocab-size", 300, "--tokenizer-sample-bytes", 2500, "--out", tmp_path / "o2") == 0
+    sample = meta_of(tmp_path / "o2")["tokenizer"]
+    assert sample["sample_documents"] == 1 and sample["sample_bytes"] == 2499  # not half an é
 
 
 def test_tokenizer_reuse(stdlib_data, tmp_path):
