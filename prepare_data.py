@@ -644,6 +644,9 @@ def check_out(out: Path, given: str, overwrite: bool) -> None:
         raise DataError(f"--out {given}: is a file, not a directory")
     if not out.is_dir():
         return
+    if os.path.ismount(out):  # found only at the end otherwise: "Device or resource busy"
+        raise DataError(f"--out {given}: is a mount point, which cannot be renamed onto (the output is "
+                        f"built beside it and renamed into place); give a directory inside it")
     entries = sorted(p.name for p in out.iterdir())
     if not entries:
         return

@@ -649,6 +649,22 @@ def test_a_failure_deleting_the_old_output_after_the_install_is_a_warning(tmp_pa
     assert meta_of(out)["val_fraction"] == 0.5 and meta_of(old)["val_fraction"] == 0.005
 
 
+def test_a_mount_point_as_out_is_refused_before_any_work(tmp_path, monkeypatch, capsys):
+    """The output is renamed into place, and a mount point cannot be renamed onto: an empty one
+    passed the start-time check and failed after all the work ("Device or resource busy")."""
+    src = write_docs(tmp_path / "src", {"a.txt": "alpha", "b.txt": "beta"})
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    real = os.path.ismount
+    monkeypatch.setattr(os.path, "ismount", lambda p: Path(p) == mnt or real(p))  # mounting needs root
+    monkeypatch.setattr(prepare_data, "train_tokenizer", None)  # refused before the tokenizer is trained
+    assert run("--input", src, "--vocab-size", 300, "--out", mnt) == 2
+    assert capsys.readouterr().err == (f"prepare_data.py: error: --out {mnt}: is a mount point, which cannot be "
+                                       "renamed onto (the output is built beside it and renamed into place); "
+                                       "give a directory inside it\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mnt", "src"] and not list(mnt.iterdir())
+
+
 def test_interrupted_run_leaves_nothing(tmp_path, monkeypatch):
     src = write_docs(tmp_path / "src", {f"{i}.txt": f"text {i} " * 50 for i in range(6)})
     calls = []
