@@ -1051,13 +1051,15 @@ def verify(folder: Path) -> tuple[list[str], str]:
     meta_path = folder / "meta.json"
     try:
         meta = json.loads(meta_path.read_text())
-        vocab_size, dtype = int(meta["vocab_size"]), np.dtype(meta["dtype"])
+        vocab_size, dtype = meta["vocab_size"], np.dtype(meta["dtype"])
+        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int):  # Infinity parses as a float
+            raise DataError(f"{meta_path}: vocab_size is {vocab_size!r}, not a number of tokens")
         shards = [(folder / sh["file"], int(sh["tokens"]), str(sh["sha256"]))
                   for split in ("train", "val") for sh in meta["splits"][split]["shards"]]
         tokenizer = (folder / meta["tokenizer_file"], str(meta["tokenizer_sha256"]))
     except OSError as e:
         raise DataError(f"--verify {folder}: cannot read {meta_path} ({e.strerror or one_line(e)})") from None
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, OverflowError) as e:
         raise DataError(f"{meta_path}: not a prepare_data.py meta.json ({type(e).__name__}: {one_line(e)})") from None
     t0 = time.time()
     problems = []

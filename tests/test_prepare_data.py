@@ -728,6 +728,9 @@ def _bad_cases(tmp: Path) -> dict:
     foreign = write_docs(tmp / "foreign", {"notes.md": "mine", "meta.json": "{}"})
     # named like a shard, but not one prepare_data.py writes: a user's file, not to be replaced
     lookalike = write_docs(tmp / "lookalike", {"train_00000.npy": "", "train_backup.npy": "mine", "meta.json": "{}"})
+    infinite = tmp / "infinite"  # json reads Infinity as a float: int() of it raised OverflowError
+    shutil.copytree(old, infinite)
+    (infinite / "meta.json").write_text(json.dumps({**meta_of(old), "vocab_size": float("inf")}))
     listcfg = write_docs(tmp / "listcfg", {"tokenizer.json": (old / "tokenizer.json").read_bytes(),
                                            "tokenizer_config.json": "[1, 2]"})
     return {
@@ -766,6 +769,8 @@ def _bad_cases(tmp: Path) -> dict:
         "verify with --out": (["--verify", old, "--out", old], "it takes no --out", old),
         "verify a directory without meta.json": (["--verify", ok], str(ok / "meta.json"), None),
         "verify a foreign meta.json": (["--verify", foreign], "not a prepare_data.py meta.json", foreign),
+        "verify an infinite vocab_size": (["--verify", infinite], "meta.json: vocab_size is inf, not a number of tokens",
+                                          infinite),
         "missing dataset": (["--dataset", tmp / "nodataset", "--out", tmp / "o", "--vocab-size", 300],
                             "nodataset", None),
     }

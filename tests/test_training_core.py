@@ -207,6 +207,23 @@ def test_config_data_checks(tmp_path, stdlib_data):
         check_data(cfg)
 
 
+@pytest.mark.parametrize("edit, match", [
+    ({"splits": {"train": 5}}, "splits.train is 5, not an object"),
+    ({"splits": None}, "splits is None, not an object of splits"),
+    ({"vocab_size": math.inf}, "vocab_size is inf, not a number of tokens"),
+    ({"vocab_size": "many"}, "vocab_size is 'many', not a number of tokens"),
+])
+def test_malformed_meta_json_is_one_line_naming_the_key(tmp_path, stdlib_data, edit, match):
+    """Keys of the wrong type raised AttributeError, TypeError or OverflowError (Infinity)."""
+    import shutil
+    shutil.copytree(stdlib_data, tmp_path / "data")
+    meta = json.loads((tmp_path / "data" / "meta.json").read_text())
+    (tmp_path / "data" / "meta.json").write_text(json.dumps({**meta, **edit}))
+    cfg = load_config(write(tmp_path, "training: {max_steps: 3}\n"), [f"data.dir={tmp_path / 'data'}"])
+    with pytest.raises(ConfigError, match=f"^{tmp_path / 'data' / 'meta.json'}: {match}$"):
+        check_data(cfg)
+
+
 def test_cli_config_error_is_one_line(tmp_path):
     p = write(tmp_path, "training:\n  max_steps: 3\n  batch_sise: 2\n")
     r = subprocess.run([sys.executable, "train.py", str(p)], cwd=ROOT, capture_output=True, text=True)

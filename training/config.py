@@ -551,14 +551,21 @@ def check_data(cfg: Config) -> dict:
         raise ConfigError(f"data.dir: {meta_path} not found (is {d} a prepare_data.py output?)")
     try:
         meta = json.loads(meta_path.read_text())
-        vocab = int(meta["vocab_size"])
+        vocab = meta["vocab_size"]
         splits = meta["splits"]
     except (ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"{meta_path}: unreadable meta.json ({e})") from None
+    # each key of the wrong type by name (an edited or foreign file): not a TypeError from below
+    if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1:
+        raise ConfigError(f"{meta_path}: vocab_size is {vocab!r}, not a number of tokens")
+    if not isinstance(splits, dict):
+        raise ConfigError(f"{meta_path}: splits is {splits!r}, not an object of splits")
     if vocab > cfg.model.vocab_size:
         raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the data's "
                           f"vocabulary ({vocab} in {meta_path})")
     for split in ("train", "val"):
+        if split in splits and not isinstance(splits[split], dict):
+            raise ConfigError(f"{meta_path}: splits.{split} is {splits[split]!r}, not an object")
         if split not in splits or not splits[split].get("shards"):
             raise ConfigError(f"{meta_path}: no '{split}' shards")
     return meta

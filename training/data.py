@@ -71,7 +71,7 @@ class TokenWindows(Dataset):
             dtype = str(meta["dtype"])
         except OSError as e:
             raise ConfigError(f"data.dir: cannot read {meta_path} ({e.strerror or e})") from None
-        except (ValueError, KeyError, TypeError) as e:
+        except (ValueError, KeyError, TypeError, OverflowError) as e:  # Overflow: a vocab_size of Infinity
             raise ConfigError(f"{meta_path}: unreadable meta.json ({type(e).__name__}: {e})") from None
         self.meta = meta
         self.seq_len = seq_len
