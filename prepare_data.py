@@ -171,6 +171,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         raise DataError("the following arguments are required: --out (see --help)")
     if not args.input and not args.dataset:
         raise DataError("no inputs: give --input PATH ... and/or --dataset NAME")
+    if args.dataset is not None and Path(args.dataset).is_file():  # else a hub name: ~30 s of retries
+        raise DataError(f"--dataset {args.dataset}: is a file; --dataset takes a hub name or a dataset "
+                        f"directory, a local file is an --input")
     if not 0.0 < args.val_fraction < 1.0:
         raise DataError(f"--val-fraction {args.val_fraction} must be between 0 and 1 (exclusive)")
     if args.tokenizer is not None:
@@ -312,19 +315,22 @@ class Corpus:
     def _all(self) -> Iterator[tuple[str, bytes]]:
         for path in self.files:
             kind = RECORD_KINDS.get(path.suffix.lower())
-            if kind is None:
-                data = path.read_bytes()
-                try:
-                    text = data.decode("utf-8")
-                except UnicodeDecodeError as e:
-                    self.skipped[str(path)] = f"not valid UTF-8 (byte {data[e.start]:#04x} at offset {e.start})"
-                    self._warn_once(f"skipping {path}: {self.skipped[str(path)]}")
-                    continue
-                yield text, data
-            elif path.suffix.lower() in JSON_LINES:
-                yield from self._json_lines(path)
-            elif path.stat().st_size > 0:  # an empty records file holds no documents (datasets refuses it)
-                yield from self._records(str(path), self._open_records(path, kind))
+            try:  # an error of read() names no file (/proc/self/mem: "Input/output error")
+                if kind is None:
+                    data = path.read_bytes()
+                    try:
+                        text = data.decode("utf-8")
+                    except UnicodeDecodeError as e:
+                        self.skipped[str(path)] = f"not valid UTF-8 (byte {data[e.start]:#04x} at offset {e.start})"
+                        self._warn_once(f"skipping {path}: {self.skipped[str(path)]}")
+                        continue
+                    yield text, data
+                elif path.suffix.lower() in JSON_LINES:
+                    yield from self._json_lines(path)
+                elif path.stat().st_size > 0:  # an empty records file holds no documents (datasets refuses it)
+                    yield from self._records(str(path), self._open_records(path, kind))
+            except OSError as e:
+                raise DataError(f"{path}: cannot read ({e.strerror or one_line(e)})") from None
         if self.dataset is not None:
             yield from self._records(f"--dataset {self.dataset}", self._open_dataset())
 

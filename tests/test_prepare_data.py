@@ -771,6 +771,8 @@ def _bad_cases(tmp: Path) -> dict:
         "verify a foreign meta.json": (["--verify", foreign], "not a prepare_data.py meta.json", foreign),
         "verify an infinite vocab_size": (["--verify", infinite], "meta.json: vocab_size is inf, not a number of tokens",
                                           infinite),
+        "unreadable input": (["--input", "/proc/self/mem", "--out", tmp / "o"], "/proc/self/mem: cannot read", None),
+        "a file as --dataset": (["--dataset", tmp / "afile", "--out", tmp / "o"], "a local file is an --input", None),
         "missing dataset": (["--dataset", tmp / "nodataset", "--out", tmp / "o", "--vocab-size", 300],
                             "nodataset", None),
     }
