@@ -440,6 +440,23 @@ def test_many_shards_do_not_run_out_of_file_descriptors(tmp_path):
     assert report["open_maps"] == report["cap"] and report["fds"] < 128
 
 
+def test_shards_short_against_seq_len_warn_of_the_unused_tokens(tmp_path):
+    """Windows do not cross shard boundaries: 400-token shards with seq_len 256 leave 36% of the
+    tokens unread."""
+    d = tmp_path / "data"
+    d.mkdir()
+    for i in range(3):
+        np.save(d / f"train_{i:05d}.npy", np.arange(400, dtype=np.uint16))
+    shards = [{"file": f"train_{i:05d}.npy", "tokens": 400} for i in range(3)]
+    (d / "meta.json").write_text(json.dumps({"vocab_size": 400, "dtype": "uint16",
+                                             "splits": {"train": {"shards": shards}}}))
+    assert TokenWindows(d, "train", 256).unused_warning("train") == (
+        "warning: 36% of the train split's tokens are in no window: windows of data.seq_len + 1 = 257 "
+        "tokens do not cross shard boundaries, and its shards hold 400 tokens on average; prepare the "
+        "data with a larger --shard-tokens, or use a shorter data.seq_len")
+    assert TokenWindows(d, "train", 133).unused_warning("train") is None  # 3 windows a shard: 0.25% unused
+
+
 def test_a_dataset_pickles_without_its_shards(stdlib_data):
     """A DataLoader worker started by spawn or forkserver receives the dataset pickled: memmaps
     pickle as a copy of all their data (the whole split, per worker, per epoch); the shards are

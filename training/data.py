@@ -133,6 +133,19 @@ class TokenWindows(Dataset):
     def __len__(self) -> int:
         return int(self.offsets[-1])
 
+    def unused_warning(self, split: str) -> str | None:
+        """A warning when more than a tenth of the tokens are in no window: windows do not cross
+        shard boundaries, so each shard's tail shorter than ``seq_len`` is never read (400-token
+        shards with seq_len 256 leave 36%); None otherwise."""
+        total = sum(self.lengths)
+        unused = 1 - int(self.offsets[-1]) * self.seq_len / total
+        if unused <= 0.1:
+            return None
+        return (f"warning: {unused:.0%} of the {split} split's tokens are in no window: windows of "
+                f"data.seq_len + 1 = {self.seq_len + 1} tokens do not cross shard boundaries, and its "
+                f"shards hold {total / len(self.lengths):,.0f} tokens on average; prepare the data with "
+                "a larger --shard-tokens, or use a shorter data.seq_len")
+
     def locate(self, i: int) -> tuple[int, int]:
         """Sample ``i``'s shard index and first token within it."""
         s = int(np.searchsorted(self.offsets, i, side="right") - 1)

@@ -155,6 +155,9 @@ class Trainer:
         # -- data sizes and the schedule ---------------------------------------------------------
         self.train_ds = TokenWindows(d_cfg.dir, "train", d_cfg.seq_len)
         self.val_ds = TokenWindows(d_cfg.dir, "val", d_cfg.seq_len)
+        for split, ds in (("train", self.train_ds), ("val", self.val_ds)):
+            if (unused := ds.unused_warning(split)) is not None:
+                self.log_line(unused)
         self.replicas = replicas = backend.world_size
         if len(self.val_ds) < t_cfg.batch_size * replicas:
             raise ConfigError(f"data.dir: the val split has {len(self.val_ds)} windows of "
