@@ -344,7 +344,9 @@ def export(args) -> str:
                 raise ExportError(f"the exported model's logits differ from the checkpoint's by {diff:.3g} "
                                   f"(max |logit| {scale:.3g}): export refused")
             check = f"; transformers' logits match ours to {diff:.1e}"
-        install(staging, out)  # rename into place (replacing an earlier export)
+        # rename into place, replacing an earlier export only with --overwrite, checked again now
+        install(staging, out, args.overwrite, lambda: check_out_dir(out, True), str(out),
+                say=lambda m: say(f"warning: {m}"))
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -441,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:  # --help
         return e.code if isinstance(e.code, int) else 0
     except Exception as e:
-        if not isinstance(e, (ExportError, CheckpointError, ConfigError, OSError)):
+        if not isinstance(e, (ExportError, CheckpointError, ConfigError, DataError, OSError)):
             raise
         msg = " ".join(str(e).split()) if not isinstance(e, OSError) or not e.filename else \
             f"{e.filename}: {e.strerror}"

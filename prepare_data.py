@@ -35,7 +35,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -674,15 +674,17 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def install(staging: Path, out: Path, given: str, overwrite: bool) -> None:
-    """Put the finished staging directory at `out`, replacing an old output there only with
-    `overwrite`. What is at `out` may have changed since check_out (another run finished there, a
-    user's files): without `overwrite` it is never replaced (a rename onto a non-empty directory
-    fails; onto an empty one it replaces it), with it check_out's content check runs again."""
+def install(staging: Path, out: Path, overwrite: bool, recheck: Callable[[], None], name: str,
+            say: Callable[[str], None] = warn) -> None:
+    """Put the finished staging directory at `out` (called `name` in messages), replacing an old
+    output there only with `overwrite`. What is at `out` may have changed since the caller's check
+    at start (another run finished there, a user's files): without `overwrite` it is never replaced
+    (a rename onto a non-empty directory fails; onto an empty one it replaces it), with it
+    `recheck` (the caller's content check) runs again first. Shared with export_hf.py."""
     _fsync_dir(staging)
     old = None
     if overwrite:
-        check_out(out, given, overwrite)
+        recheck()
         if out.is_dir() and any(out.iterdir()):
             old = out.with_name(f".{out.name}.old-{os.getpid()}-{secrets.token_hex(4)}")
             os.rename(out, old)
@@ -693,7 +695,7 @@ def install(staging: Path, out: Path, given: str, overwrite: bool) -> None:
             os.rename(old, out)
         if isinstance(e, OSError) and e.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
             found = "a non-empty directory" if out.is_dir() else "a file"
-            raise DataError(f"--out {given}: {found} appeared there while this run worked; left as it is "
+            raise DataError(f"{name}: {found} appeared there while this run worked; left as it is "
                             f"(pass --overwrite to replace an earlier output)") from None
         raise
     # The new output is in place: the install is done whatever happens from here (an interrupt
@@ -705,9 +707,9 @@ def install(staging: Path, out: Path, given: str, overwrite: bool) -> None:
     except BaseException as e:
         why = "interrupted" if isinstance(e, KeyboardInterrupt) else one_line(e)
         if old is not None and old.exists():
-            warn(f"--out {given} is complete, but deleting the previous output failed ({why}): remove {old}")
+            say(f"{name} is complete, but deleting the previous output failed ({why}): remove {old}")
         else:
-            warn(f"--out {given} is complete, but syncing {out.parent} failed ({why})")
+            say(f"{name} is complete, but syncing {out.parent} failed ({why})")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -860,7 +862,7 @@ def prepare(args: argparse.Namespace, argv: list[str]) -> str:
             "created_by": PROG,
         }
         write_atomic(staging / "meta.json", (json.dumps(meta, indent=2) + "\n").encode())
-        install(staging, out, args.out, args.overwrite)
+        install(staging, out, args.overwrite, lambda: check_out(out, args.out, True), f"--out {args.out}")
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         for p in created:  # the parents this run made, innermost first
