@@ -238,6 +238,70 @@ def test_mhc_lite_is_doubly_stochastic_with_finite_grads_for_extreme_logits(n, d
     assert torch.isfinite(hc.b_res.grad).all() and torch.isfinite(hc.phi.weight.grad).all()
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_mhc_matches_transformers_deepseek_v4(seed):
+    """Our Sinkhorn hyper-connection and stream collapse against code we did not write:
+    transformers' DeepseekV4HyperConnection and DeepseekV4HyperHead (DeepSeek's mHC), the same
+    weights, every gate, bias and projection row moved off its init.
+
+    The parameters map one to one (phi -> fn, alpha -> scale, b -> base; the head: phi -> hc_fn,
+    alpha -> hc_scale, bias -> hc_base) except H_res's: DeepSeek's layer mixes the streams as
+    ``comb^T h`` (DeepseekV4DecoderLayer.forward, written out below), ours as ``H_res h``, so our
+    H_res is their comb transposed, and their comb logits are ours transposed (the Sinkhorn limit
+    commutes with transposition). Catches H_res applied transposed, H_post written to one stream
+    only, a collapse that ignores its gates and a Sinkhorn stopped after one iteration. Their pre
+    and head weights carry ``+ hc_eps`` (1e-6), added to ours before comparing."""
+    pytest.importorskip("transformers.models.deepseek_v4")
+    from transformers.models.deepseek_v4.configuration_deepseek_v4 import DeepseekV4Config
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HyperConnection, DeepseekV4HyperHead
+
+    n, C, eps = 4, 32, 1e-6   # eps: our Sinkhorn's (sinkhorn_knopp's default) and their hc_eps
+    # 100 iterations: both converge (at 20 their plain loop was up to 1e-4 off its limit on these
+    # logits; ours is within a few eps of it thanks to its closing projection)
+    cfg = tiny(n_layers=1, mhc_streams=n, mhc_lite=False, sinkhorn_iters=100, nash_scales=1, nash_window=0)
+    m = build(cfg, seed)
+    hc, head = m.blocks[0].hc_attn, m.mhc_out
+    g = torch.Generator().manual_seed(100 + seed)
+    with torch.no_grad():
+        for p in (hc.phi.weight, hc.alpha, hc.b_pre, hc.b_post, hc.b_res, head.phi.weight, head.alpha, head.bias):
+            p.copy_(torch.randn(p.shape, generator=g) * (0.05 if p.ndim == 2 else 1.0))
+    dcfg = DeepseekV4Config(hidden_size=C, hc_mult=n, hc_sinkhorn_iters=cfg.sinkhorn_iters, hc_eps=eps,
+                            rms_norm_eps=cfg.norm_eps)
+    theirs, their_head = DeepseekV4HyperConnection(dcfg), DeepseekV4HyperHead(dcfg)
+    t = torch.arange(n * n).view(n, n).t().flatten()   # flat index of the transposed entry
+    with torch.no_grad():
+        theirs.fn.copy_(torch.cat([hc.phi.weight[:2 * n], hc.phi.weight[2 * n:][t]]))
+        theirs.base.copy_(torch.cat([hc.b_pre, hc.b_post, hc.b_res[t]]))
+        theirs.scale.copy_(hc.alpha)
+        their_head.hc_fn.copy_(head.phi.weight)
+        their_head.hc_base.copy_(head.bias)
+        their_head.hc_scale.copy_(head.alpha)
+
+    h = torch.randn(2, 7, n, C, generator=g)
+    y = torch.randn(2, 7, C, generator=g)   # the sub-layer's output
+    with torch.no_grad():
+        x, (post, res) = hc.read(h)
+        out = hc.write(h, y, (post, res))
+        their_post, comb, collapsed = theirs(h)
+        their_out = their_post.unsqueeze(-1) * y.unsqueeze(-2) + torch.matmul(comb.transpose(-1, -2), h)
+        collapsed_head, their_collapsed_head = head(h), their_head(h)
+    hmax, ymax, stream_sum = h.abs().max(), y.abs().max(), eps * h.sum(dim=-2)
+    # sigmoids and sums of n products in fp32, 16 seeds: post (in [0, 2]) seen <= 4.8e-7, 2 ulps of
+    # 2 (allowed 8); the collapses seen <= 0.33 of the allowed 1e-6 x max|h|
+    assert torch.allclose(post, their_post, rtol=0, atol=8 * 2 * 2**-23)
+    assert torch.allclose(x + stream_sum, collapsed, rtol=0, atol=1e-6 * hmax)
+    assert torch.allclose(collapsed_head + stream_sum, their_collapsed_head, rtol=0, atol=1e-6 * hmax)
+    # Both Sinkhorns add eps to a softmax, ours over rows, theirs over columns (of our H_res): an
+    # entry p of the start moves by a relative eps / p, so the limits differ by O(eps / min p),
+    # seen 0.009-0.034 x eps / min p (16 seeds; 1e-5 at most). The written streams then differ by
+    # at most n x that x max|h| plus the post difference x max|y|.
+    logits = (F.rms_norm(h.flatten(-2), (n * C,), eps=cfg.norm_eps) @ hc.phi.weight[2 * n:].T * hc.alpha[2]
+              + hc.b_res).unflatten(-1, (n, n)).detach()
+    tol = 0.1 * eps / min(logits.softmax(-1).min(), logits.softmax(-2).min())
+    assert torch.allclose(res, comb.transpose(-1, -2), rtol=0, atol=tol)
+    assert torch.allclose(out, their_out, rtol=0, atol=n * tol * hmax + 1e-6 * ymax)
+
+
 # -- Nash equilibrium ---------------------------------------------------------------------------
 
 def _nash_direct(outputs, valid, tau, iters):
