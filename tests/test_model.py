@@ -404,6 +404,83 @@ def test_nash_ignores_the_outputs_of_invalid_scales():
     assert torch.equal(poisoned.grad[:, 2], torch.zeros(4, 8)) and poisoned.grad[:, :2].abs().sum() > 0
 
 
+def _reference_nash_attention(attn, x, cfg):
+    """NashAttention as DESIGN.md 1.2 states it, written out densely (no chunks, no Gram matrix,
+    no mask tables, the game by ``_nash_direct``) in x's dtype: ``x [B, T, C]`` -> ``[B, T, C]``."""
+    B, T, _ = x.shape
+    H, Hkv, D, r, W = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.nash_compression, cfg.nash_window
+    q = _rope((x @ attn.wq.weight.T).view(B, T, H, D).transpose(1, 2), cfg.rope_theta)
+    k = _rope((x @ attn.wk.weight.T).view(B, T, Hkv, D).transpose(1, 2), cfg.rope_theta)
+    v = (x @ attn.wv.weight.T).view(B, T, Hkv, D).transpose(1, 2)
+    k, v = k.repeat_interleave(H // Hkv, dim=1), v.repeat_interleave(H // Hkv, dim=1)
+
+    def attention(keys, values, visible):   # rows with no visible key: output 0 (invalid)
+        s = (q @ keys.transpose(-1, -2) / math.sqrt(D)).masked_fill(~visible, float("-inf"))
+        return s.softmax(-1).nan_to_num(0.0) @ values
+
+    t = torch.arange(T)
+    visible = (t[None, :] <= t[:, None]) & ((t[:, None] - t[None, :] < W) if W else True)
+    outs, valid = [attention(k, v, visible)], [torch.ones(T, dtype=torch.bool)]
+    for l in range(1, cfg.nash_scales):
+        b = r ** l  # block j: tokens j b ... (j + 1) b - 1, pooled; seen by query t iff complete
+        if attn.pool_logits is None:
+            pool = torch.full((b,), 1.0 / b, dtype=x.dtype)
+        else:
+            pool = torch.softmax(attn.pool_logits[l - 1].to(x.dtype), dim=0)
+        blocks = [slice(j * b, (j + 1) * b) for j in range(T // b)]
+        kp = torch.stack([(k[:, :, s] * pool[:, None]).sum(2) for s in blocks], dim=2)
+        vp = torch.stack([(v[:, :, s] * pool[:, None]).sum(2) for s in blocks], dim=2)
+        visible = (torch.arange(T // b)[None, :] + 1) * b - 1 <= t[:, None]
+        outs.append(attention(kp, vp, visible))
+        valid.append(visible.any(-1))
+    outs, valid = torch.stack(outs, dim=-2), torch.stack(valid, dim=-1)    # [B, H, T, L, D], [T, L]
+    if cfg.aggregation == "nash":
+        tau = attn.log_tau.to(x.dtype).exp().view(1, H, 1, 1)               # per head
+        w = _nash_direct(outs, valid.expand(B, H, T, -1), tau, cfg.nash_iters)
+    elif cfg.aggregation == "convex":
+        w = torch.softmax(attn.agg_logits.to(x.dtype).masked_fill(~valid, float("-inf")), dim=-1)
+    else:
+        w = valid.to(x.dtype) / valid.sum(-1, keepdim=True)
+    o = (w.unsqueeze(-1) * outs).sum(-2)
+    return o.transpose(1, 2).reshape(B, T, H * D) @ attn.wo.weight.T
+
+
+@pytest.mark.parametrize("kw", [
+    dict(), dict(nash_scales=4, nash_window=6), dict(nash_pool="learned", nash_compression=4, nash_window=0),
+    dict(aggregation="convex", nash_window=5), dict(aggregation="mean", nash_pool="learned"),
+], ids=["nash", "scales4", "learned-pool-r4", "convex", "mean"])
+def test_nash_attention_matches_the_design_written_out_in_float64(kw):
+    """NashAttention (float64 weights) against DESIGN.md 1.2 written out densely in float64
+    (``_reference_nash_attention``): scale 0's window, blocks pooled from their own tokens and seen
+    only once complete, the best-response rounds with each head's own temperature, the convex and
+    mean fusions. Every Nash parameter is off its init (a different tau per head, random pooling
+    and aggregation logits) and wv is x10, so that the scale outputs are far enough apart for the
+    game's weights to matter. Catches a temperature shared by the heads, a coarse scale that hides
+    the newest complete block, a single round whatever nash_iters says, a convex fusion that is the
+    mean and a learned pooling that ignores its logits. The model's rotary embedding and game run
+    in fp32: seen 2.5e-8 - 1.5e-6 x max|output| (6 seeds per case; the largest where a sharp
+    head's game amplifies the rounding), allowed 1e-5 x max|output|."""
+    cfg = tiny(**kw)
+    m = build(cfg).double()
+    attn = m.blocks[0].attn
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        if attn.log_tau is not None:
+            attn.log_tau.copy_(torch.tensor([-2.0, -0.5, 0.0, 1.0]))
+        if attn.agg_logits is not None:
+            attn.agg_logits.copy_(torch.randn(attn.agg_logits.shape, generator=g))
+        for p in attn.pool_logits or []:
+            p.copy_(torch.randn(p.shape, generator=g))
+        attn.wv.weight.mul_(10)
+    T = 48
+    x = torch.randn(2, T, cfg.d_model, generator=g, dtype=torch.float64)
+    with torch.no_grad():
+        ours, _ = attn(x, m.rope_cos[:T], m.rope_sin[:T])
+        ref = _reference_nash_attention(attn, x, cfg)
+    err = ((ours - ref).abs().max() / ref.abs().max()).item()
+    assert err <= 1e-5, err
+
+
 # -- the model: causality, equivalence, precision, init -----------------------------------------
 
 CAUSAL_CONFIGS = {
