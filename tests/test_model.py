@@ -191,6 +191,25 @@ def test_mhc_starts_at_identity_and_coefficients_are_fp32_under_autocast(lite):
     assert torch.allclose(post, torch.ones(()), atol=0.05)
 
 
+@pytest.mark.parametrize("lite", [True, False], ids=["lite", "sinkhorn"])
+def test_h_pre_favours_one_stream_per_sub_layer_at_init(lite):
+    """DESIGN.md 1.1: H_pre's bias favours one stream per sub-layer. Sub-layer k (0 attention,
+    1 FFN) of block i reads stream (2i + k) mod n with weight sigmoid(2) = 0.88 and the others with
+    sigmoid(-2) = 0.12, moved by the gates: 0.01 x the projection (std 0.02 x sqrt(n C) = 0.23)
+    of the normed streams, through sigmoid' <= 0.105: seen <= 1.2e-3 (5 seeds), allowed 5e-3.
+    Three blocks: the favoured stream wraps around."""
+    cfg = tiny(mhc_lite=lite, n_layers=3)
+    n = cfg.mhc_streams
+    h = torch.randn(2, 8, n, cfg.d_model, generator=torch.Generator().manual_seed(0))
+    low, high = 1 / (1 + math.exp(M.MHC_PRE_BIAS)), 1 / (1 + math.exp(-M.MHC_PRE_BIAS))
+    for i, block in enumerate(build(cfg).blocks):
+        for k, hc in enumerate((block.hc_attn, block.hc_ffn)):
+            want = torch.full((n,), low)
+            want[(2 * i + k) % n] = high
+            pre = hc.coefficients(h)[0]
+            assert torch.allclose(pre, want.expand_as(pre), rtol=0, atol=5e-3), (i, k, pre[0, 0])
+
+
 def test_mhc_lite_starts_where_sinkhorn_starts():
     """The two H_res forms begin at the same near-identity matrix: exp(-8) = 3.4e-4 off the
     diagonal, moved by the gates (alpha = 0.01 times the projection) by a few 1e-6."""
@@ -578,6 +597,29 @@ def test_one_stream_one_scale_is_a_plain_transformer(window):
     with torch.no_grad():
         ours, ref = m(idx).logits, _reference_transformer(sd, cfg, idx, window)
     assert torch.allclose(ours, ref, atol=1e-5, rtol=1e-5), (ours - ref).abs().max()
+
+
+@pytest.mark.parametrize("lite", [True, False], ids=["lite", "sinkhorn"])
+def test_mhc_with_closed_gates_is_the_one_stream_model(lite):
+    """DESIGN.md 1.1: the network starts as a plain pre-norm residual. With the gates at 0 (at init
+    they are 0.01) and a negligible norm eps, 4 streams give the 1-stream model's logits on the same
+    weights: every stream holds the same h, H_res's rows sum to 1 (so H_res h = h), H_post = 1
+    writes each sub-layer's output to every stream, and H_pre and the collapse only scale h, which
+    the (then scale-invariant) RMSNorms undo. Float64 weights, fp32 coefficients: seen <= 2.6e-7
+    x max|logit| (5 seeds each), allowed 2e-6 x max|logit|. Catches H_post written to one stream
+    only."""
+    cfg = tiny(mhc_lite=lite, norm_eps=1e-12)
+    streams, one = build(cfg).double().eval(), NashMHC(dataclass_replace(cfg, mhc_streams=1)).double().eval()
+    one.load_state_dict({k: v for k, v in streams.state_dict().items() if k in one.state_dict()})
+    with torch.no_grad():
+        for mod in streams.modules():
+            if isinstance(mod, (M.HyperConnection, M.StreamCollapse)):
+                mod.alpha.zero_()
+    idx = torch.randint(0, cfg.vocab_size, (2, 40), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ours, ref = streams(idx).logits, one(idx).logits
+    err = ((ours - ref).abs().max() / ref.abs().max()).item()
+    assert err <= 2e-6, err
 
 
 def test_bf16_autocast_on_cpu_is_close_to_fp32():
