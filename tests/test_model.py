@@ -599,6 +599,39 @@ def test_one_stream_one_scale_is_a_plain_transformer(window):
     assert torch.allclose(ours, ref, atol=1e-5, rtol=1e-5), (ours - ref).abs().max()
 
 
+@pytest.mark.parametrize("window", [5, 24])
+def test_the_windowed_baseline_is_transformers_mistral(window):
+    """The windowed baseline (1 stream, 1 scale, nash_window W) against code we did not write:
+    transformers' MistralForCausalLM with sliding_window=W and eager attention (its own mask, not
+    a kernel's), on our weights under Llama's names (training.hf's mapping: Mistral's are the same),
+    every weight moved off its init as tests/test_hf.py does. Both let query t see the W keys
+    t - W + 1 ... t (itself included): W - 1 or W + 1 gives logits 0.05-0.8 away. At T = 64 > 2W
+    our scale 0 runs in chunks of W, the last one padded (64 is no multiple of 5 or 24).
+    fp32, seen <= 4.3e-7 x max|logit| (3 seeds), allowed 1e-5 x max|logit|."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from training.hf import to_llama_state_dict
+
+    cfg = tiny(mhc_streams=1, nash_scales=1, nash_window=window, tie_embeddings=False)
+    m = build(cfg).eval()
+    g = torch.Generator().manual_seed(window)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * (0.5 if p.ndim < 2 else 0.05))
+    theirs = MistralForCausalLM(MistralConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.ffn_hidden,
+        num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
+        head_dim=cfg.head_dim, max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta}, sliding_window=window,
+        tie_word_embeddings=False, attn_implementation="eager")).eval()
+    theirs.load_state_dict(to_llama_state_dict(m.state_dict(), cfg), strict=True)
+    idx = torch.randint(0, cfg.vocab_size, (2, 64), generator=g)
+    with torch.no_grad():
+        ours, ref = m(idx).logits, theirs(idx).logits
+    err = ((ours - ref).abs().max() / ref.abs().max()).item()
+    assert err <= 1e-5, err
+
+
 @pytest.mark.parametrize("lite", [True, False], ids=["lite", "sinkhorn"])
 def test_mhc_with_closed_gates_is_the_one_stream_model(lite):
     """DESIGN.md 1.1: the network starts as a plain pre-norm residual. With the gates at 0 (at init
