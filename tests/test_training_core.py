@@ -544,23 +544,29 @@ def test_adamw_matches_torch_and_shares_its_state_layout():
                     lr=1e-2, weight_decay=0.1),
 ])
 def test_found_inf_skips_the_update_and_the_state(make):
+    """A step with found_inf set (inf/NaN gradients under a GradScaler) leaves every parameter and
+    every parameter's state (moments, momentum buffers, step counts) bitwise as it was."""
     ps = _params()
     opt = make(ps)
     _grads(ps, 0)
     opt.step()
     before = [p.detach().clone() for p in ps]
-    state_before = {k: v.clone() if torch.is_tensor(v) else v
-                    for s in opt.state.values() for k, v in s.items()}
+
+    def state():  # keyed by (parameter, name): every parameter's state, not one per name
+        return {(i, k): v.clone() for i, p in enumerate(ps) for k, v in opt.state[p].items() if torch.is_tensor(v)}
+
+    state_before = state()
+    assert {i for i, _ in state_before} == set(range(len(ps)))
     for p in ps:
         p.grad = torch.full_like(p, float("nan"))
     opt.found_inf = torch.ones(())
     opt.step()
     for p, q in zip(ps, before):
         assert torch.equal(p, q)
-    state_after = {k: v for s in opt.state.values() for k, v in s.items()}
+    state_after = state()
+    assert state_after.keys() == state_before.keys()
     for k, v in state_before.items():
-        if torch.is_tensor(v):
-            assert torch.equal(state_after[k], v), k
+        assert torch.equal(state_after[k], v), k
     opt.found_inf = torch.zeros(())
     _grads(ps, 1)
     opt.step()
