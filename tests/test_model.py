@@ -104,7 +104,7 @@ def test_sinkhorn_is_doubly_stochastic_with_finite_grads(z, iters):
     assert torch.isfinite(p).all() and (p >= 0).all()
     assert torch.allclose(p.sum(-1), torch.ones(()), atol=1e-3)
     assert torch.allclose(p.sum(-2), torch.ones(()), atol=1e-3)
-    (p * torch.randn_like(p)).sum().backward()
+    (p * torch.randn(p.shape, generator=torch.Generator().manual_seed(0))).sum().backward()
     assert torch.isfinite(z.grad).all()
 
 
@@ -126,7 +126,7 @@ def test_sinkhorn_matches_the_limit_for_ordinary_logits(n):
 
 
 def test_sinkhorn_is_fp32_for_bf16_logits_and_under_autocast():
-    z = torch.randn(3, 4, 4).bfloat16()
+    z = torch.randn(3, 4, 4, generator=torch.Generator().manual_seed(0)).bfloat16()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert sinkhorn_knopp(z, 20).dtype == torch.float32
 
@@ -362,7 +362,7 @@ def test_nash_weights_on_the_simplex_of_valid_scales(case, tau, iters):
     if identical:  # every scale is the consensus: uniform over the valid ones
         uniform = valid.float() / valid.sum(-1, keepdim=True)
         assert torch.allclose(w, uniform.expand_as(w), atol=1e-5)
-    (w * torch.randn_like(w)).sum().backward()
+    (w * torch.randn(w.shape, generator=g)).sum().backward()
     assert torch.isfinite(outputs.grad).all() and torch.isfinite(log_tau.grad)
     # The Gram-matrix rounds are the definition, up to rounding amplified by the rounds. One round
     # turns a distance error d into a weight error <= d / (2 tau) (softmax is 1/2-Lipschitz), and a
@@ -938,7 +938,8 @@ def test_plain_and_hand_written_stream_ops_agree(monkeypatch, stream_dtype):
     """The plain tensor-op form (what torch.compile and XLA trace) and the autograd.Functions
     (eager) of the stream ops and the normalised projection: same loss and gradients."""
     cfg = tiny(stream_dtype=stream_dtype)
-    idx, tgt = torch.randint(0, 64, (2, 40)), torch.randint(0, 64, (2, 40))
+    g = torch.Generator().manual_seed(0)
+    idx, tgt = torch.randint(0, 64, (2, 40), generator=g), torch.randint(0, 64, (2, 40), generator=g)
     eager, plain = build(cfg), build(cfg)
     eager(idx, tgt).loss.backward()
     monkeypatch.setattr(M, "_fusing", lambda x: True)
