@@ -665,7 +665,10 @@ def test_bf16_autocast_on_cpu_is_close_to_fp32():
         with torch.autocast("cpu", dtype=torch.bfloat16):
             low = m(idx, tgt)
     assert low.logits.dtype == torch.bfloat16 and low.loss.dtype == torch.float32
-    assert torch.allclose(low.logits.float(), ref.logits, atol=0.03)
+    # bf16 keeps 8 significant bits: allowed 8 x 2^-8 x max|logit| (0.024-0.028 here), seen <= 0.13
+    # of it (6 seeds)
+    diff, tol = (low.logits.float() - ref.logits).abs().max(), 8 * 2**-8 * ref.logits.abs().max()
+    assert diff <= tol, (diff, tol)
     assert abs(low.loss.item() - ref.loss.item()) < 0.01
     m.train()
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -704,7 +707,10 @@ def test_a_model_cast_to_bf16_runs_and_stays_close(streams):
         ref = m(idx).logits
         low = m.to(torch.bfloat16)(idx).logits
     assert low.dtype == torch.bfloat16
-    assert torch.allclose(low.float(), ref, atol=0.02), (low.float() - ref).abs().max()   # seen: 0.0024
+    # bf16 keeps 8 significant bits: allowed 8 x 2^-8 x max|logit| (0.023-0.028 here), seen <= 0.12
+    # of it (6 seeds, either stream count)
+    diff, tol = (low.float() - ref).abs().max(), 8 * 2**-8 * ref.abs().max()
+    assert diff <= tol, (diff, tol)
 
 
 @pytest.mark.parametrize("kw", [
@@ -720,7 +726,10 @@ def test_initial_loss_is_about_ln_vocab(kw):
     tgt = torch.randint(0, cfg.vocab_size, (4, 64), generator=g)
     with torch.no_grad():
         loss = m(idx, tgt).loss.item()
-    assert abs(loss - math.log(cfg.vocab_size)) < 0.5, loss
+    # Logits spread by sigma (0.06-0.23 at init) raise the expected loss by sigma^2 / 2 (up to 0.03)
+    # and 256 random targets add ~sigma / 16: seen up to 0.060 (8 seeds of each case, the largest
+    # at d_model 128; 0.019 at seed 0), allowed 0.1
+    assert abs(loss - math.log(cfg.vocab_size)) < 0.1, loss
 
 
 def test_loss_ignores_minus_one_targets():
