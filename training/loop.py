@@ -69,6 +69,10 @@ class StopRequested:
         info(f"{self.signal_name} received: stopping at the next decision step, saving a checkpoint, "
              "then exiting (Ctrl+C again to exit at once)")
 
+    def cause(self) -> str:
+        """What asked for the stop that every process decided on, for the closing line."""
+        return self.signal_name or "a stop signal on another process"
+
     def restore(self) -> None:
         if threading.current_thread() is not threading.main_thread():
             self.requested = False  # the handlers stay with the main thread that installed them
@@ -447,8 +451,7 @@ class Trainer:
         STOP.install()  # train() installed it before start-up already
         try:
             if self.should_stop() == "signal":  # during start-up (a checkpoint loading, a compile)
-                why = STOP.signal_name or "a stop signal on another process"
-                self.log_line(f"stopped before step {self.state.step + 1} after {why}: nothing new to "
+                self.log_line(f"stopped before step {self.state.step + 1} after {STOP.cause()}: nothing new to "
                               "save; resume with the same command")
                 self._close()
                 return 0
@@ -535,8 +538,7 @@ class Trainer:
             return 3
         self._save_last("signal" if exit_reason == "signal" else "final")
         if exit_reason == "signal":
-            why = STOP.signal_name or "a stop signal on another process"
-            self.log_line(f"stopped at step {state.step} after {why}; resume with the same command")
+            self.log_line(f"stopped at step {state.step} after {STOP.cause()}; resume with the same command")
         elif "eval_loss" in self.last_record:
             last = self.last_record
             self.log_line(f"done: {state.step} steps, {state.tokens_seen:,} tokens; final val loss "
