@@ -19,7 +19,10 @@ one run on the CPU (gloo, ``--procs`` processes started here, the real ``TorchBa
 - ``gathered``: each shape's stack gathered whole (one all-gather) and orthogonalised whole on
   every process: the fewest collectives, every process doing all the work;
 - ``per_product``: Newton-Schulz on the row shards themselves, with DTensor's redistributions at
-  each of its products (the form before ``orthogonalised``).
+  each of its products (the form before ``orthogonalised``);
+- ``tensor_op_adamw``: by_matrix, with Muon's AdamW groups (embeddings, norms, gates, biases)
+  updated in training.optim's tensor ops (~13 per parameter, each through DTensor) instead of
+  torch's fused AdamW kernel, which the CPU and CUDA backends give Muon.
 
 Three models with the same weights and the same batch take a step each in turn, ``--repeats`` times
 (interleaved, after one step each that is not timed). Per form: the collectives of one step and the
@@ -59,7 +62,7 @@ import torch.multiprocessing as mp  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils._pytree import tree_leaves  # noqa: E402
 
-FORMS = ("by_matrix", "gathered", "per_product")
+FORMS = ("by_matrix", "gathered", "per_product", "tensor_op_adamw")
 
 
 class Collectives(TorchDispatchMode):
@@ -109,6 +112,7 @@ def _worker(rank: int, world: int, port: int, args, out_file: str) -> None:
         torch.manual_seed(0)
         model = backend.prepare_model(NashMHC(mcfg), cfg)
         forms[form] = (model, build_optimizer(model, cfg.training, backend.adamw_factory()))
+    forms["tensor_op_adamw"][1].fused = False
     def gathered(m, steps, lay_out=None):
         from torch.distributed.tensor import DTensor, Replicate
         whole = [Replicate()] * m.device_mesh.ndim
@@ -116,7 +120,8 @@ def _worker(rank: int, world: int, port: int, args, out_file: str) -> None:
                                   run_check=False).redistribute(m.device_mesh, m.placements)
 
     implementations = {"by_matrix": optim.orthogonalised, "gathered": gathered,
-                       "per_product": lambda m, steps, lay_out=None: newton_schulz(m, steps)}  # DTensor's rules at each product
+                       "per_product": lambda m, steps, lay_out=None: newton_schulz(m, steps),  # DTensor's rules at each product
+                       "tensor_op_adamw": optim.orthogonalised}
     g = torch.Generator().manual_seed(rank)
     x = torch.randint(0, mcfg.vocab_size, (args.batch, args.seq), generator=g)
     times: dict = {form: [] for form in FORMS}

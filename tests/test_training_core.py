@@ -542,6 +542,8 @@ def test_adamw_matches_torch_and_shares_its_state_layout():
     lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, fused=True),
     lambda ps: Muon([{"params": ps[:1], "use_muon": True}, {"params": ps[1:], "use_muon": False}],
                     lr=1e-2, weight_decay=0.1),
+    lambda ps: Muon([{"params": ps[:1], "use_muon": True}, {"params": ps[1:], "use_muon": False}],
+                    lr=1e-2, weight_decay=0.1, fused=True),
 ])
 def test_found_inf_skips_the_update_and_the_state(make):
     """A step with found_inf set (inf/NaN gradients under a GradScaler) leaves every parameter and
@@ -571,6 +573,34 @@ def test_found_inf_skips_the_update_and_the_state(make):
     _grads(ps, 1)
     opt.step()
     assert all(torch.isfinite(p).all() for p in ps) and not torch.equal(ps[0], before[0])
+
+
+def test_muon_adamw_groups_match_torch_adamw():
+    """Muon's AdamW groups, fused (the CPU/CUDA backends' choice) or in tensor ops, against
+    torch.optim.AdamW on the same parameters; its Muon group is left out of the comparison."""
+    def run(make):
+        ps = _params() + [torch.nn.Parameter(torch.randn(7, generator=torch.Generator().manual_seed(5)))]
+        opt = make(ps)
+        for step in range(5):
+            _grads(ps, step)
+            opt.step()
+        return ps[1:]
+
+    ref = run(lambda ps: torch.optim.AdamW([{"params": ps[1:2], "weight_decay": 0.1}, {"params": ps[2:]}],
+                                           lr=1e-2, betas=(0.9, 0.95), weight_decay=0.0, fused=True))
+    for fused in (True, False):
+        got = run(lambda ps: Muon([{"params": ps[:1], "use_muon": True},
+                                   {"params": ps[1:2], "weight_decay": 0.1}, {"params": ps[2:]}],
+                                  lr=1e-2, betas=(0.9, 0.95), fused=fused))
+        for p, q in zip(got, ref):
+            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+def test_cpu_backend_builds_muon_on_the_fused_kernel():
+    from training.backend import TorchBackend
+    cfg = load_config(None, ["training.optimizer=muon", "training.max_steps=1"])
+    opt = build_optimizer(torch.nn.Linear(4, 3), cfg.training, TorchBackend("cpu").adamw_factory())
+    assert isinstance(opt, Muon) and opt.fused
 
 
 def test_muon_update_is_orthogonalised():

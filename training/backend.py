@@ -386,6 +386,7 @@ class TorchBackend(Backend):
         if self.device.type in ("cuda", "cpu"):
             def fused_adamw(groups, **kw):
                 return torch.optim.AdamW(groups, fused=True, **kw)
+            fused_adamw.fused = True   # Muon's AdamW groups take the same kernel (training.optim)
             return fused_adamw
         return None  # MPS: the tensor-op AdamW of training.optim
 
