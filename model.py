@@ -583,6 +583,8 @@ class NashAttention(nn.Module):
                 # one mean over the tokens and heads of [entropy, w_0, ..., w_{L-1}]
                 entropy = -(w * w.clamp_min(1e-30).log()).sum(dim=-1, keepdim=True)
                 stats = torch.cat([entropy, w], dim=-1).reshape(-1, self.scales + 1).mean(dim=0)
+                if self.log_tau is not None:  # read here, where FSDP2 has the parameter gathered
+                    stats = torch.cat([stats, self.log_tau.float().exp().mean().view(1)])
             return o, stats
 
 
@@ -850,7 +852,11 @@ def _mean_diagonal(m):
 
 class Block(nn.Module):
     """Pre-norm attention and SwiGLU sub-layers, each in a hyper-connection (or a plain residual
-    when mhc_streams == 1). Returns the new residual and a detached 1-D stats tensor."""
+    when mhc_streams == 1). Returns the new residual and a detached 1-D stats tensor: the
+    attention's, then (mHC) the mean diagonal of H_res and the mean |gate| of the two
+    hyper-connections. Stats of parameters are taken here too, not from the model after the
+    forward: under FSDP2 a block's parameters are whole only during its own forward (read from
+    outside, each would be one more all-gather per step)."""
 
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
@@ -879,7 +885,8 @@ class Block(nn.Module):
         x, coef = self.hc_ffn.read(h)
         h = self.hc_ffn.write(h, self.drop(self.ffn(self.ffn_norm(x))), coef)
         res_diag = (res_diag + _mean_diagonal(coef[1].detach())) / 2
-        return h, torch.cat([stats, res_diag.view(1)])
+        gate = torch.cat([self.hc_attn.alpha, self.hc_ffn.alpha]).detach().float().abs().mean()
+        return h, torch.cat([stats, res_diag.view(1), gate.view(1)])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -904,11 +911,12 @@ class NashMHC(nn.Module):
         # The XLA backend may run all blocks as one compiled loop body (torch_xla's scan):
         # blocks_fn(blocks, h, cos, sin, masks, checkpoint) -> (h, the blocks' mean stats).
         self.blocks_fn = None
-        names = []
+        names = []  # the blocks' stats, in Block.forward's order
         if cfg.nash_scales > 1:
             names += ["nash_entropy"] + [f"nash_w{l}" for l in range(cfg.nash_scales)]
+            names += ["nash_tau"] if cfg.aggregation == "nash" else []
         if cfg.mhc_streams > 1:
-            names += ["mhc_res_diag"]
+            names += ["mhc_res_diag", "mhc_gate"]
         self.stat_names = names
         self.init_weights()
 
@@ -1017,15 +1025,10 @@ class NashMHC(nn.Module):
         return total / (targets != -1).sum()
 
     def _metrics(self, stats):
-        metrics = {name: stats[i] for i, name in enumerate(self.stat_names)}
-        with torch.no_grad():
-            gates = [m.alpha for m in self.modules() if isinstance(m, (HyperConnection, StreamCollapse))]
-            if gates:
-                metrics["mhc_gate"] = torch.cat(gates).abs().mean()
-            taus = [m.log_tau for m in self.modules() if isinstance(m, NashAttention) and m.log_tau is not None]
-            if taus:
-                metrics["nash_tau"] = torch.cat(taus).exp().mean()
-        return {k: v.detach() for k, v in metrics.items()}
+        """The blocks' mean stats by name (``stat_names``): ``nash_entropy``, ``nash_w*``,
+        ``nash_tau`` (mean temperature), ``mhc_res_diag``, ``mhc_gate`` (mean |alpha| of the
+        hyper-connections)."""
+        return {name: stats[i].detach() for i, name in enumerate(self.stat_names)}
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens: int, temperature: float = 1.0, top_k: Optional[int] = None,

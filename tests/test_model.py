@@ -796,6 +796,24 @@ def test_metrics_are_detached_scalars():
     assert build(tiny(mhc_streams=1, nash_scales=1))(torch.randint(0, 64, (1, 8))).metrics == {}
 
 
+def test_parameter_metrics_are_the_blocks_means():
+    """``mhc_gate`` and ``nash_tau`` (taken inside each block, where FSDP2 has the parameters
+    whole) are the means over the layers' hyper-connection gates and temperatures."""
+    torch.manual_seed(0)
+    m = build(tiny())
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.ndim == 1 and p.numel() <= 8:     # the gates, biases and temperatures
+                p.uniform_(-1.0, 1.0)
+    got = m(torch.randint(0, 64, (2, 30))).metrics
+    gates = torch.cat([torch.cat([b.hc_attn.alpha, b.hc_ffn.alpha]) for b in m.blocks]).abs().mean()
+    taus = torch.cat([b.attn.log_tau for b in m.blocks]).exp().mean()
+    torch.testing.assert_close(got["mhc_gate"], gates.detach())
+    torch.testing.assert_close(got["nash_tau"], taus.detach())
+    assert set(build(tiny(aggregation="mean")).stat_names) == {"nash_entropy", "nash_w0", "nash_w1", "nash_w2",
+                                                               "mhc_res_diag", "mhc_gate"}
+
+
 def test_forward_rejects_bad_shapes():
     m = build(tiny())
     with pytest.raises(ValueError, match="above max_seq_len=64"):
