@@ -810,7 +810,8 @@ def test_a_wandb_that_cannot_start_is_a_warning_not_a_traceback(tmp_path, monkey
     ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12), ("NVIDIA H100 NVL", 835e12),
     ("NVIDIA GH200 480GB", 989e12), ("NVIDIA A100-SXM4-80GB", 312e12), ("Tesla V100-SXM2-16GB", 15.7e12),
     ("Tesla V100S-PCIE-32GB", 16.4e12), ("Tesla T4", 8.1e12), ("NVIDIA A10", 125e12), ("NVIDIA A10G", 70e12),
-    ("NVIDIA A100X", 312e12),
+    ("NVIDIA A100X", 312e12), ("NVIDIA H200", 989e12), ("NVIDIA H200 NVL", 835e12), ("NVIDIA H20", 148e12),
+    ("NVIDIA B200", 2250e12), ("NVIDIA GB200", 2500e12),
     ("NVIDIA RTX A4000", None), ("AMD Instinct MI300X", None),
 ])
 def test_gpu_peaks_match_whole_words_of_the_device_name(name, peak):

@@ -218,8 +218,12 @@ class Backend:
         return None
 
     def log_extras(self) -> dict:
-        """Host-side numbers added to every metrics line (XLA: compile counters)."""
+        """Host-side numbers added to every metrics line (XLA: compile counters; CUDA: memory)."""
         return {}
+
+    def wait_device(self) -> None:
+        """Wait for the work queued on the device (CUDA), so that host time measures it: around
+        evaluation, whose time is left out of the training throughput. A no-op elsewhere."""
 
     def finish(self, run_dir: Path, log: Callable[[str], None]) -> None:
         """End of the run (XLA writes its compile metrics here)."""
@@ -283,10 +287,12 @@ class TorchBackend(Backend):
             self.rank, self.world_size, self.local_rank = 0, 1, 0
         self.is_master = self.rank == 0
         self.device = self._pick_device(device)
+        if self.device.type == "cuda":
+            # the current device for everything that takes the default (pinned memory's context,
+            # nccl, bf16 support): one process, training.device=cuda:1, must not touch GPU 0
+            torch.cuda.set_device(self.device)
         if self.distributed:
             backend = "nccl" if self.device.type == "cuda" else "gloo"
-            if self.device.type == "cuda":
-                torch.cuda.set_device(self.device)
             if not dist.is_initialized():  # a caller (a test, a notebook) may have made it
                 dist.init_process_group(backend=backend, rank=self.rank, world_size=self.world_size,
                                         device_id=self.device if self.device.type == "cuda" else None)
@@ -302,9 +308,6 @@ class TorchBackend(Backend):
         # weights, cast, until the forward ends (FSDP2 frees its own copy after each block): a
         # bf16 copy of the whole model per GPU. Without the cache a weight is cast where it is used.
         self.autocast_cache = not self.fsdp
-        if self.device.type == "cuda":
-            torch.backends.cuda.matmul.allow_tf32 = True
-            torch.backends.cudnn.allow_tf32 = True
 
     def _pick_device(self, want: str) -> torch.device:
         if want == "auto":
@@ -357,6 +360,14 @@ class TorchBackend(Backend):
         return torch.bfloat16
 
     def prepare_model(self, model: nn.Module, cfg) -> nn.Module:
+        if self.device.type == "cuda":
+            # fp32 matmuls: TF32 in an fp32 run (the peak its MFU is counted against). Under bf16
+            # autocast the matmuls left in fp32 are the ones kept there on purpose (the mHC
+            # coefficients and the stream mixing, whose products of n numbers would otherwise
+            # round the residual streams to TF32's 10-bit mantissa at every write): IEEE fp32.
+            # The legacy flag, although 2.9 warns: after its new ``fp32_precision`` API, the legacy
+            # getters that inductor still calls (``allow_tf32``, ``get_float32_matmul_precision``) raise.
+            torch.backends.cuda.matmul.allow_tf32 = cfg.training.precision == "fp32"
         model = model.to(self.device)
         if self.fsdp:
             # FSDP2: one all-gather/reduce-scatter unit per block; the root holds the embedding,
@@ -428,6 +439,22 @@ class TorchBackend(Backend):
         if self.device.type == "cuda":
             return peak_flops_for(torch.cuda.get_device_name(self.device), precision)
         return None
+
+    def wait_device(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def log_extras(self) -> dict:
+        """On CUDA, this process's memory since the last line (then the peaks start afresh):
+        the most its tensors held (``mem_peak_gib``) and the most the caching allocator reserved
+        (``mem_reserved_gib``, what the GPU had in use)."""
+        if self.device.type != "cuda":
+            return {}
+        gib = 2 ** 30
+        extras = {"mem_peak_gib": torch.cuda.max_memory_allocated(self.device) / gib,
+                  "mem_reserved_gib": torch.cuda.max_memory_reserved(self.device) / gib}
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return extras
 
     def shutdown(self) -> None:
         if self.distributed and dist.is_initialized():

@@ -71,8 +71,8 @@ class TrainingConfig:
     muon_lr: float = _help("learning rate of the Muon matrices (optimizer=muon)", default=0.02)
     muon_momentum: float = _help("Muon momentum (Nesterov)", default=0.95)
     precision: Literal["bf16", "fp32"] = _help(
-        "bf16 autocast (fp32 master weights), or fp32; bf16 falls back to fp32 with a warning where "
-        "unsupported", default="bf16")
+        "bf16 autocast (fp32 master weights), or fp32 (train.py on CUDA: matmuls in TF32); bf16 falls back "
+        "to fp32 with a warning where unsupported", default="bf16")
     seed: int = _help("seed for initialisation, data order and dropout (drawn per step and replica)",
                       default=1337)
     compile: bool = _help("torch.compile each block (train.py on CUDA): one graph every layer reuses", default=False)

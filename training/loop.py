@@ -358,8 +358,9 @@ class Trainer:
     def evaluate(self) -> torch.Tensor:
         """Mean validation loss over the same ``evaluation.steps`` batches every time (a device
         tensor, averaged over replicas)."""
-        t0 = time.time()
         backend, model = self.backend, self.model
+        backend.wait_device()   # the step before is training time, the evaluation's work is not
+        t0 = time.time()
         model.eval()
         batch_losses = []
         with torch.no_grad():
@@ -370,8 +371,10 @@ class Trainer:
                     batch_losses.append(model(x, y).loss.float())
                 backend.sync()  # one forward graph, the same for every batch
         model.train()
+        loss = backend.mean_across(torch.stack(batch_losses).mean())
+        backend.wait_device()
         self.paused_seconds += time.time() - t0
-        return backend.mean_across(torch.stack(batch_losses).mean())
+        return loss
 
     # -- logging -----------------------------------------------------------------------------
     def log(self, numbers: list[float], names: list[str], step: int, lr: float, paused_s: float) -> None:

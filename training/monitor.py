@@ -24,8 +24,8 @@ from .checkpoint import atomic_write_text, first_line
 # A key matches a device name that holds its words in order, whole: "L4" is not the "L40" in
 # "NVIDIA L40"; the longest matching key wins ("H100 PCIe" over "H100", which is the SXM part).
 PEAK_FLOPS = {
-    "H200": 989e12, "H100": 989e12, "H100 PCIe": 756e12, "H100 NVL": 835e12, "H800": 989e12,
-    "GH200": 989e12, "A100": 312e12, "A100X": 312e12, "A800": 312e12, "L40S": 362e12, "L40": 181e12,
+    "B200": 2250e12, "GB200": 2500e12, "H200": 989e12, "H200 NVL": 835e12, "H20": 148e12,
+    "H100": 989e12, "H100 PCIe": 756e12, "H100 NVL": 835e12, "H800": 989e12, "GH200": 989e12, "A100": 312e12, "A100X": 312e12, "A800": 312e12, "L40S": 362e12, "L40": 181e12,
     "L4": 121e12, "A10": 125e12, "A10G": 70e12, "RTX 4090": 165e12, "RTX 3090": 71e12,
     "V100": 15.7e12, "V100S": 16.4e12, "T4": 8.1e12,
     "TPU v6": 918e12, "TPU v5p": 459e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v4": 275e12,
