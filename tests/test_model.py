@@ -1041,3 +1041,30 @@ def test_torch_compile_of_the_blocks_matches_eager(over):
     assert torch.allclose(out.loss, ref.loss, rtol=1e-5, atol=1e-6)
     for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
         assert torch.allclose(q.grad, p.grad, rtol=1e-3, atol=1e-6), name
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("n_kv_heads", [4, 2])
+def test_cuda_attention_kernels_match_the_math_path(n_kv_heads):
+    """On a GPU, the SDPA kernel PyTorch picks for each of Nash attention's calls (masked: the
+    window's chunks, the pooled scales with 1/4 and 1/16 of the keys; grouped-query or not) gives
+    the loss and gradients of its math path, in fp32 (the memory-efficient kernel; bf16's, cuDNN's
+    on H100, want tolerances measured on a GPU first). Runs where a GPU is: none is in CI."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    cfg = tiny(d_model=128, n_heads=4, n_kv_heads=n_kv_heads, max_seq_len=512, nash_window=64,
+               nash_compression=4)
+    m = build(cfg).cuda()
+    idx = torch.randint(0, 64, (2, 512), generator=torch.Generator().manual_seed(0)).cuda()
+
+    def loss_and_grads():
+        m.zero_grad(set_to_none=True)
+        loss = m(idx, idx).loss
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in m.parameters()]
+
+    loss, grads = loss_and_grads()
+    with sdpa_kernel(SDPBackend.MATH):
+        ref_loss, ref_grads = loss_and_grads()
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-4, atol=1e-5)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, rtol=1e-3, atol=1e-5)
