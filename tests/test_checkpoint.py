@@ -301,6 +301,7 @@ def _decide(rank, store_path, out_dir):
         "equal": host.all_equal("meta.json v1"),
         "differ": host.all_equal(f"meta.json from rank {rank}"),
         "size": host.size,
+        "max": host.max([rank, -3 - rank, 2 ** 40]),   # the next decision: -max(-interval) = min
     }
     (Path(out_dir) / f"{rank}.json").write_text(json.dumps(res))
     dist.destroy_process_group()
@@ -311,7 +312,8 @@ def test_host_group_decisions_are_the_same_everywhere(tmp_path):
     mp.spawn(_decide, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2)
     for rank in (0, 1):
         res = json.loads((tmp_path / f"{rank}.json").read_text())
-        assert res == {"any": [True, False, True], "equal": True, "differ": False, "size": 2}
+        assert res == {"any": [True, False, True], "equal": True, "differ": False, "size": 2,
+                       "max": [1, -3, 2 ** 40]}
 
 
 def _find_in(rank, store_path, dirs, out_dir, unreadable_on=None):

@@ -575,6 +575,16 @@ def test_found_inf_skips_the_update_and_the_state(make):
     assert all(torch.isfinite(p).all() for p in ps) and not torch.equal(ps[0], before[0])
 
 
+@pytest.mark.parametrize("seconds, interval", [
+    (12.0, 1), (1.0, 1), (0.3, 3), (0.05, 10), (0.001, 10), (0.0, 1), (float("nan"), 1), (float("inf"), 1),
+])
+def test_stop_decisions_come_about_once_a_second(seconds, interval):
+    """Processes that do not decide after every step (train_xla.py, several processes) decide
+    every ~1 s of steps, at least every step and at most every log interval (here 10)."""
+    from training.loop import decision_interval
+    assert decision_interval(seconds, 10) == interval
+
+
 def test_muon_adamw_groups_match_torch_adamw():
     """Muon's AdamW groups, fused (the CPU/CUDA backends' choice) or in tensor ops, against
     torch.optim.AdamW on the same parameters; its Muon group is left out of the comparison."""

@@ -129,6 +129,11 @@ class Backend:
         out = self.host.any(flags)
         return out[0] if len(flags) == 1 else out
 
+    def max_across(self, *values: int) -> tuple[int, ...]:
+        """Each integer's largest value over the processes (one host-side all-reduce; every
+        process calls it at the same point)."""
+        return self.host.max(values)
+
     def all_equal(self, text: str) -> bool:
         """Is ``text`` (a hash of meta.json, a checkpoint name, ...) the same on every process?
         One host-side all-reduce; every process gets the same answer."""

@@ -54,6 +54,15 @@ class HostGroup:
     def size(self) -> int:
         return 1 if self.group is None else dist.get_world_size(self.group)
 
+    def max(self, values: Sequence[int]) -> tuple[int, ...]:
+        """For each integer: its largest value over the processes. One all-reduce (MAX)."""
+        values = tuple(int(v) for v in values)
+        if self.group is None:
+            return values
+        t = torch.tensor(values, dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return tuple(int(v) for v in t.tolist())
+
     def any(self, flags: Sequence[bool]) -> tuple[bool, ...]:
         """For each flag: is it true on any process? One all-reduce (MAX) for all of them."""
         flags = tuple(bool(f) for f in flags)

@@ -87,6 +87,20 @@ class StopRequested:
 # in a thread) installs the handlers from its main thread at import (train_xla.py).
 STOP = StopRequested()
 
+# Processes that do not take the stop decision after every step (train_xla.py with several
+# processes, whose hosts trace ahead of the device) take it about this often, and at log steps.
+DECISION_SECONDS = 1.0
+
+
+def decision_interval(seconds_per_step: float, log_interval: int) -> int:
+    """Steps between two stop decisions for ``seconds_per_step``: about ``DECISION_SECONDS`` of
+    steps, at least one, at most ``log_interval`` (log steps decide anyway). A preemption's
+    SIGTERM is then acted on within a second or one step (GCE gives 30 s), not a log interval
+    later (10 steps of ~12 s for nash_mhc_3b.yaml on a v4-32: two minutes)."""
+    if not seconds_per_step > 0:
+        return 1
+    return max(1, min(log_interval, int(DECISION_SECONDS / seconds_per_step)))
+
 
 @dataclass
 class RunState:
@@ -250,6 +264,10 @@ class Trainer:
         self.stop_nonfinite = False
         self.last_log_time, self.last_log_step = time.time(), state.step
         self.paused_seconds = 0.0  # evaluation and checkpoint saves since the last log line
+        # The stop decisions (should_stop): when the last was taken, and the step of the next one
+        # where the backend does not decide after every step.
+        self.last_decision = (time.time(), state.step)
+        self.next_decision = state.step + 1
         self.last_record: dict = {}
         self.start_tokens, self.start_step = state.tokens_seen, state.step
 
@@ -416,8 +434,15 @@ class Trainer:
     # -- decisions taken by every process together -------------------------------------------
     def should_stop(self) -> str | None:
         """``"nonfinite"``, ``"signal"`` or ``None``: the same answer on every process, from one
-        host-side all-reduce of both flags (a SIGTERM that reached one host stops them all)."""
-        nonfinite, signalled = self.backend.any_process(self.stop_nonfinite, STOP.requested)
+        host-side all-reduce of both flags (a SIGTERM that reached one host stops them all). The
+        same all-reduce agrees on the step of the next decision (``next_decision``): this
+        process's ``decision_interval``, the slowest process's where they differ."""
+        now, step = time.time(), self.state.step
+        (then, before), interval = self.last_decision, 1
+        if step > before:
+            interval = decision_interval((now - then) / (step - before), self.cfg.logging.interval)
+        nonfinite, signalled, fewest = self.backend.max_across(self.stop_nonfinite, STOP.requested, -interval)
+        self.last_decision, self.next_decision = (now, step), step - fewest
         if nonfinite:
             return "nonfinite"
         if signalled:
@@ -491,10 +516,11 @@ class Trainer:
                 saving = cfg.checkpoint.interval > 0 and state.step % cfg.checkpoint.interval == 0 and not last
                 if saving:
                     self.save("interval")
-                # Decisions together, after every step or at log steps (every process logs at
-                # the same steps): Backend.decides_every_step; and after a periodic save, so that a
-                # stop requested before or during it ends the run on the state it just saved.
-                if saving or do_log or backend.decides_every_step:
+                # Decisions together, after every step (Backend.decides_every_step) or at the
+                # steps agreed at the decision before and at log steps (every process logs at the
+                # same steps); and after a periodic save, so that a stop requested before or
+                # during it ends the run on the state it just saved.
+                if saving or do_log or backend.decides_every_step or state.step >= self.next_decision:
                     reason = self.should_stop()
                     if reason is not None:
                         exit_reason = reason

@@ -392,9 +392,10 @@ class XLABackend(Backend):
             self.host = HostGroup(new_gloo_group())
             self.ckpt_group = new_gloo_group()  # the checkpoint writer's thread has its own
         self.checkpoint_format = "dcp" if self.spmd else "file"
-        # Several processes (hosts, or chips in ddp mode) decide at log steps: a per-step gloo
-        # all-reduce across a pod would cost milliseconds and hold the hosts, which trace ahead of
-        # the device, in step. One process looks after every step.
+        # Several processes (hosts, or chips in ddp mode) decide about once a second and at log
+        # steps (loop.decision_interval): a per-step gloo all-reduce across a pod would cost
+        # milliseconds and hold the hosts, which trace ahead of the device, in step every step.
+        # One process looks after every step.
         self.decides_every_step = self.processes == 1
         self._agree_at_launch(cfg, problem)
         self._specs: dict[int, tuple] = {}
