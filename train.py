@@ -19,6 +19,9 @@ def run(cfg) -> int:
         print(f"train.py: error: {e}", file=sys.stderr)
         return 2
     try:
+        # With its host group, before the model: the data, config and check_data's verdict of
+        # every process, decided together (a ConfigError: main says it, exit 2 everywhere)
+        backend.agree_at_launch(cfg)
         return train(cfg, backend)
     finally:
         backend.shutdown()

@@ -9,6 +9,8 @@ imports ``torch_xla``.
 
 Agreement across processes (``any_process``, ``all_equal``) goes through
 ``self.host``, a ``training.distributed.HostGroup`` on a gloo group: host-side, no device sync.
+``agree_at_launch`` (``training.launch``) is the first use of it, once the group exists and
+before any model is built: every process's data, config and launch problems, decided together.
 
 Checkpoints (``training.checkpoint.Checkpointer`` drives them): ``checkpoint_format`` says which
 form this backend writes ("file": one ``ckpt_*.pt`` by the master; "dcp": a DCP directory, every
@@ -32,6 +34,7 @@ from torch import nn
 
 from .checkpoint import keep_hyperparameters, optimizer_state_by_name
 from .distributed import HostGroup, new_gloo_group
+from .launch import agree_at_launch
 from .monitor import peak_flops_for
 
 
@@ -138,6 +141,15 @@ class Backend:
         """Is ``text`` (a hash of meta.json, a checkpoint name, ...) the same on every process?
         One host-side all-reduce; every process gets the same answer."""
         return self.host.all_equal(text)
+
+    def agree_at_launch(self, cfg, problem: str = "") -> None:
+        """The launch agreement (``training.launch.agree_at_launch``): the data (meta.json's
+        fingerprint, after ``check_data`` on every process), the resolved config and ``problem``
+        (what this process found wrong at set-up, "" if nothing), gathered from every process;
+        a ``ConfigError`` with the same one-line verdict on every process, or none. Called once,
+        by every process, right after the host group exists and before the model is built
+        (train.py after making its ``TorchBackend``; ``XLABackend.__init__``)."""
+        agree_at_launch(self.host, cfg, problem)
 
     # -- checkpoints -------------------------------------------------------------------------
     checkpoint_format = "file"      # or "dcp" (see training.checkpoint)

@@ -17,9 +17,9 @@ one vector, copied with ``.cpu()`` (one transfer, never ``.item()``, which would
 Several processes (SPMD over hosts, or ddp with one process per chip) join ONE gloo process group
 with ``init_method='xla://'`` (rank = host in SPMD, = ordinal in ddp). Everything the processes
 decide together goes through it, host-side (``training.distributed.HostGroup``: no device sync,
-no rendezvous): the set-up checks (the mesh, the SPMD batch, the data every host has) refuse a
-launch with one line before anything compiles; stop after SIGTERM or non-finite steps is checked
-at log steps. SPMD checkpoints are DCP directories written with torch_xla's ``SPMDSavePlanner``
+no rendezvous): the set-up checks (the mesh, the SPMD batch, the data and the config every host
+has: ``training.launch``) refuse a launch with one line before anything compiles; stop after
+SIGTERM or non-finite steps is checked at log steps. SPMD checkpoints are DCP directories written with torch_xla's ``SPMDSavePlanner``
 over a second gloo group (the writer thread's): each host writes only its own shards (replicated
 tensors once), nothing is gathered. ddp checkpoints are single files by the master.
 """
@@ -44,7 +44,6 @@ from torch import nn
 
 from .backend import Backend
 from .config import ConfigError, check_xla
-from .data import data_fingerprint
 from .distributed import HostGroup, init_gloo, new_gloo_group
 from .monitor import peak_flops_for
 from .optim import AdamW, Muon
@@ -178,23 +177,6 @@ def scan_problem(cfg) -> str:
     return ("xla.scan_layers=true in xla.mode=spmd needs JAX and torchax (torch_xla's scan shards "
             "its backward with jax): pip install 'torch_xla[pallas]==2.9.0' torchax==0.0.7, or set "
             "xla.scan_layers=false")
-
-
-def launch_verdict(entries: list[str], data_dir: str) -> str | None:
-    """The launch decision from every process's ``"<data fingerprint>\n<problem>"``, in rank
-    order: the first problem any process reports, or different data on some, or ``None``."""
-    split = [e.split("\n", 1) + [""] for e in entries]
-    for rank, (_, problem, *_) in enumerate(split):
-        if problem:
-            return f"{problem} (found by process {rank})" if len(entries) > 1 else problem
-    odd = [rank for rank, (digest, *_) in enumerate(split) if digest != split[0][0]]
-    if odd:
-        return (f"data.dir: {data_dir}/meta.json describes other data on process(es) "
-                f"{', '.join(map(str, odd[:8]))} than on process 0: every host must train on the "
-                "same prepared data (copy the directory, or use a shared mount)")
-    return None
-
-
 
 
 def _recompute_all_partition(joint_module, joint_inputs, *, num_fwd_outputs, **kw):
@@ -397,23 +379,15 @@ class XLABackend(Backend):
         # milliseconds and hold the hosts, which trace ahead of the device, in step every step.
         # One process looks after every step.
         self.decides_every_step = self.processes == 1
-        self._agree_at_launch(cfg, problem)
+        # Before anything compiles: every process's data, config and problems, decided together
+        # (training.launch); all refuse with the same one-line error, or none does.
+        self.agree_at_launch(cfg, problem)
         self._specs: dict[int, tuple] = {}
         self._grad_hooks: dict[int, object] = {}
         # Log lines run in torch_xla's asynchronous step closures; wait_host() waits for them.
         self._host_pending = 0
         self._host_done = threading.Condition()
         self._host_error: BaseException | None = None
-
-    def _agree_at_launch(self, cfg, problem: str) -> None:
-        """The launch checks whose inputs differ between hosts, decided by all processes together
-        before anything compiles: the data (every host's meta.json fingerprint) and this host's
-        share of the mesh check. All refuse with the same one-line error, or none does."""
-        meta = json.loads((Path(cfg.data.dir).expanduser() / "meta.json").read_text())
-        entries = self.host.all_gather_text(f"{data_fingerprint(meta)}\n{problem}")
-        verdict = launch_verdict(entries, cfg.data.dir)
-        if verdict:
-            raise ConfigError(verdict)
 
     def _init_cache(self, cache: str | None) -> None:
         if not cache:

@@ -1,0 +1,206 @@
+"""The launch agreement (training/launch.py): every process of a job checks its data, its config
+and its launch problems together, before any work, and all refuse with the same one-line error
+(exit 2) or none does. Pure verdicts first, then two real gloo processes, then two torchrun
+"nodes" (``--nnodes=2``, one process each, on this machine) given different command lines."""
+import json
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import ENV, ROOT, tiny_config
+from training.config import ConfigError, load_config
+from training.launch import (PER_HOST_KEYS, agree_at_launch, config_difference, config_items, config_text,
+                             configs_differ, launch_entry, launch_verdict)
+
+TORCHRUN = str(Path(sys.executable).parent / "torchrun")
+needs_torchrun = pytest.mark.skipif(not Path(TORCHRUN).exists(), reason="torchrun not installed")
+
+
+# -- verdicts, no processes ----------------------------------------------------------------------
+
+def test_launch_verdict_takes_problems_first_then_the_data():
+    same = launch_entry("abc", "{}", "")
+    assert launch_verdict([same, same], "/d") is None
+    assert launch_verdict([same, same, launch_entry("xyz", "{}", "")], "/d").startswith(
+        "data.dir: /d/meta.json describes other data on process(es) 2 than on process 0: every host")
+    problem = launch_entry("", "{}", "data.dir: /x does not exist (run prepare_data.py first)")
+    assert launch_verdict([same, problem, launch_entry("xyz", "{}", "")], "/d") == \
+        "data.dir: /x does not exist (run prepare_data.py first) (found by process 1)"
+    assert launch_verdict([problem], "/d") == "data.dir: /x does not exist (run prepare_data.py first)"
+    # a problem of several lines travels as one; a config that differs is not the data's verdict
+    assert launch_verdict([launch_entry("a", "{}", "one\ntwo"), same], "/d") == "one two (found by process 0)"
+    assert launch_verdict([same, launch_entry("abc", '{"a":1}', "")], "/d") is None
+
+
+def test_configs_differ_gives_the_size_of_the_second_gather():
+    a, b = '{"k":1}', '{"k":1000}'
+    assert configs_differ([launch_entry("f", a, "")] * 3) == 0
+    assert configs_differ([launch_entry("f", a, ""), launch_entry("f", b, "")]) == len(b)
+
+
+def test_config_difference_names_the_first_keys_the_values_and_the_processes():
+    a = {"training.learning_rate": 0.001, "checkpoint.interval": 5, "model.d_model": 64}
+    b = {**a, "training.learning_rate": 0.002}
+    assert config_difference([a, a]) is None
+    assert config_difference([a, b]) == (
+        "config differs between processes: training.learning_rate is 0.001 on process 0 and 0.002 "
+        "on process 1; every process must run the same config file and overrides")
+    c = {**b, "checkpoint.interval": 3, "model.d_model": 32}
+    assert config_difference([a, a, c, {**a, "training.learning_rate": 0.1}], shown=1) == (
+        "config differs between processes: training.learning_rate is 0.001 on processes 0, 1, 0.002 "
+        "on process 2 and 0.1 on process 3 (and 2 more key(s): checkpoint.interval, ...); every "
+        "process must run the same config file and overrides")
+    d = {**a, "logging.wandb.run_name": "x"}  # a key one process has and another lacks
+    assert config_difference([a, d]).startswith(
+        'config differs between processes: logging.wandb.run_name is (not set) on process 0 and "x" on process 1')
+
+
+def test_the_per_host_keys_are_left_out_and_every_other_key_is_compared(tmp_path, stdlib_data):
+    cfg = tiny_config(tmp_path, stdlib_data)
+    base = load_config(cfg, [])
+    assert {"data.dir", "checkpoint.dir"} <= set(PER_HOST_KEYS)
+    assert not set(PER_HOST_KEYS) & set(config_items(base))
+    elsewhere = load_config(cfg, ["data.dir=/mnt/other", "checkpoint.dir=/mnt/ckpt", "data.num_workers=4",
+                                  "xla.compile_cache=/tmp/cache"])
+    assert config_text(elsewhere) == config_text(base)
+    for over in ("training.learning_rate=0.002", "checkpoint.interval=3", "training.fsdp=true",
+                 "checkpoint.resume=none", "logging.interval=7"):
+        assert config_text(load_config(cfg, [over])) != config_text(base), over
+
+
+class ScriptedHost:
+    """A HostGroup of this process (rank 0) and others whose configs are given: each gather
+    returns what every process would send (the others computed from their own config)."""
+
+    def __init__(self, others, fingerprint):
+        self.others, self.fingerprint, self.gathers = others, fingerprint, 0
+        self.size = 1 + len(others)
+
+    def all_gather_text(self, text, size=1024):
+        self.gathers += 1
+        if self.gathers == 1:
+            return [text] + [launch_entry(self.fingerprint, config_text(c), "") for c in self.others]
+        return [text] + [config_text(c) for c in self.others]
+
+
+def test_agree_at_launch_with_scripted_processes(tmp_path, stdlib_data):
+    from training.data import data_fingerprint
+    fp = data_fingerprint(json.loads((stdlib_data / "meta.json").read_text()))
+    cfg = tiny_config(tmp_path, stdlib_data)
+    mine = load_config(cfg, [])
+    host = ScriptedHost([load_config(cfg, ["checkpoint.dir=/elsewhere"])], fp)
+    agree_at_launch(host, mine)                 # per-host paths may differ: one gather, no error
+    assert host.gathers == 1
+    host = ScriptedHost([load_config(cfg, ["training.learning_rate=0.002"])], fp)
+    with pytest.raises(ConfigError, match=r"^config differs between processes: training.learning_rate "
+                                          r"is 0.003 on process 0 and 0.002 on process 1;"):
+        agree_at_launch(host, mine)
+    assert host.gathers == 2
+    missing = load_config(cfg, [f"data.dir={tmp_path / 'none'}"])  # check_data fails here: said by all
+    with pytest.raises(ConfigError, match=rf"^data.dir: {tmp_path / 'none'} does not exist .* \(found by process 0\)$"):
+        agree_at_launch(ScriptedHost([mine], fp), missing)
+
+
+# -- two gloo processes --------------------------------------------------------------------------
+
+def _agree(rank, store, cfgs, out_dir):
+    import torch.distributed as dist
+    from training.distributed import HostGroup, new_gloo_group
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        agree_at_launch(HostGroup(new_gloo_group()), load_config(cfgs[rank][0], cfgs[rank][1]))
+        res = {"ok": True}
+    except ConfigError as e:
+        res = {"error": str(e)}
+    (Path(out_dir) / f"{rank}.json").write_text(json.dumps(res))
+    dist.destroy_process_group()
+
+
+def test_two_processes_reach_the_same_verdict(tmp_path, stdlib_data):
+    """Over a real gloo group: one process with another learning rate and data.dir missing on
+    the other; both get the same line (the problem first), then with the data there, the
+    config's difference."""
+    import torch.multiprocessing as mp
+    cfg = str(tiny_config(tmp_path, stdlib_data))
+    cases = {"missing": [(cfg, []), (cfg, [f"data.dir={tmp_path / 'none'}", "training.learning_rate=0.002"])],
+             "config": [(cfg, []), (cfg, ["training.learning_rate=0.002"])]}
+    want = {"missing": f"data.dir: {tmp_path / 'none'} does not exist (run prepare_data.py first) (found by process 1)",
+            "config": "config differs between processes: training.learning_rate is 0.003 on process 0 and 0.002 "
+                      "on process 1; every process must run the same config file and overrides"}
+    for name, cfgs in cases.items():
+        out = tmp_path / name
+        out.mkdir()
+        mp.spawn(_agree, args=(str(out / "store"), cfgs, str(out)), nprocs=2)
+        assert [json.loads((out / f"{r}.json").read_text()) for r in (0, 1)] == [{"error": want[name]}] * 2
+
+
+# -- two torchrun nodes --------------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def two_nodes(tmp_path: Path, cfg: Path, node_args: list[list[str]], timeout: float = 240) -> list[tuple[int, str]]:
+    """``torchrun --nnodes=2 --nproc_per_node=1 train.py CFG ARGS`` as two nodes on this machine,
+    node I with ``node_args[I]``: each node's (exit code, stderr). A node that has not ended after
+    ``timeout`` s (one waiting for the other in the rendezvous) fails the test."""
+    port = _free_port()
+    procs, logs = [], []
+    for node, args in enumerate(node_args):
+        log = tmp_path / f"node{node}.log"
+        logs.append(log)
+        with open(log, "w") as f:
+            procs.append(subprocess.Popen(
+                [TORCHRUN, "--nnodes=2", "--nproc_per_node=1", f"--node_rank={node}",
+                 "--master_addr=127.0.0.1", f"--master_port={port}", "train.py", str(cfg), *args],
+                cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=f))
+    try:
+        codes = [p.wait(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return [(code, log.read_text()) for code, log in zip(codes, logs)]
+
+
+def assert_both_refuse(results, line: str) -> None:
+    for node, (code, err) in enumerate(results):
+        workers = err.split("failed (exitcode")[0]  # then torchrun's own report and traceback
+        assert code != 0 and "exitcode  : 2" in err, (node, err[-3000:])
+        assert workers.count(f"train.py: error: {line}") == 1 and "Traceback" not in workers, (node, err[-3000:])
+
+
+@needs_torchrun
+def test_nodes_with_another_config_refuse_together(tmp_path, stdlib_data):
+    """Node 1 with another learning rate and checkpoint interval: it hung both at the first save
+    (its save's collective met node 0's stop all-reduce), or let the replicas diverge."""
+    cfg = tiny_config(tmp_path, stdlib_data, **{"training.max_steps": 4})
+    results = two_nodes(tmp_path, cfg, [[], ["training.learning_rate=0.002", "checkpoint.interval=3"]])
+    assert_both_refuse(results, "config differs between processes: training.learning_rate is 0.003 on "
+                                "process 0 and 0.002 on process 1 (and 1 more key(s): checkpoint.interval); "
+                                "every process must run the same config file and overrides")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@needs_torchrun
+def test_nodes_with_other_data_refuse_together(tmp_path, stdlib_data):
+    """Node 1's data.dir holds other data (another shard checksum in its meta.json): it trained
+    silently on it (with FSDP and another val size, evaluation hung). Each node's own data.dir
+    path may differ: only the data's identity is compared."""
+    other = tmp_path / "other_data"
+    shutil.copytree(stdlib_data, other)
+    meta = json.loads((other / "meta.json").read_text())
+    meta["splits"]["train"]["shards"][0]["sha256"] = "0" * 64
+    (other / "meta.json").write_text(json.dumps(meta))
+    cfg = tiny_config(tmp_path, stdlib_data, **{"training.max_steps": 4})
+    results = two_nodes(tmp_path, cfg, [[], [f"data.dir={other}"]])
+    for node, data in enumerate((stdlib_data, other)):  # each names its own directory
+        assert_both_refuse([results[node]], f"data.dir: {data}/meta.json describes other data on process(es) 1 "
+                                            "than on process 0: every host must train on the same prepared data")
