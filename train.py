@@ -9,6 +9,7 @@ The XLA twin is train_xla.py: the same config, data, loop and checkpoints (see t
 import sys
 
 from training.backend import TorchBackend
+from training.launch import under_torchrun
 from training.loop import main, train
 
 
@@ -28,4 +29,4 @@ def run(cfg) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:], run, "train.py"))
+    sys.exit(main(sys.argv[1:], run, "train.py", launched_together=lambda cfg: under_torchrun()))

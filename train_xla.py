@@ -149,6 +149,21 @@ class _PeerWatch(threading.Thread):
         self.join()
 
 
+def _several_hosts(cfg) -> bool:
+    """Whether this is one host of a multi-host TPU job (a pod slice; torch_xla's own count of
+    the slice's workers, from the TPU metadata). Asked only after ``check_data`` failed here: the
+    run then goes on to the launch agreement, where every host stops with the same line instead
+    of the others waiting for this one in the rendezvous."""
+    _default_pjrt_device()
+    if os.environ.get("PJRT_DEVICE") != "TPU":
+        return False
+    try:
+        from torch_xla._internal import tpu
+        return tpu.num_tpu_workers() > 1
+    except Exception:  # no metadata server, no torch_xla: one host, as before
+        return False
+
+
 def run(cfg) -> int:
     _default_pjrt_device()
     for line in xla_ignores(cfg):
@@ -200,4 +215,4 @@ if __name__ == "__mp_main__":
     STOP.install()
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:], run, "train_xla.py", entry="xla"))
+    sys.exit(main(sys.argv[1:], run, "train_xla.py", entry="xla", launched_together=_several_hosts))

@@ -15,6 +15,7 @@ from helpers import ENV, ROOT, tiny_config
 from training.config import ConfigError, load_config
 from training.launch import (PER_HOST_KEYS, agree_at_launch, config_difference, config_items, config_text,
                              configs_differ, launch_entry, launch_verdict)
+from training.loop import main
 
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 needs_torchrun = pytest.mark.skipif(not Path(TORCHRUN).exists(), reason="torchrun not installed")
@@ -103,6 +104,26 @@ def test_agree_at_launch_with_scripted_processes(tmp_path, stdlib_data):
     missing = load_config(cfg, [f"data.dir={tmp_path / 'none'}"])  # check_data fails here: said by all
     with pytest.raises(ConfigError, match=rf"^data.dir: {tmp_path / 'none'} does not exist .* \(found by process 0\)$"):
         agree_at_launch(ScriptedHost([mine], fp), missing)
+
+
+def test_main_checks_the_data_first_in_one_process_and_together_when_launched_together(tmp_path, stdlib_data, capsys):
+    """One process: check_data's error before any backend is made, exit 2 (as before). One of
+    several processes (torchrun's, a pod's hosts): the backend is made, and its launch agreement
+    says the error on every process."""
+    cfg = tiny_config(tmp_path, stdlib_data, **{"data.dir": str(tmp_path / "none")})
+    made = []
+
+    def make_backend(c):
+        made.append(c)
+        raise ConfigError("from the launch agreement")
+
+    assert main([str(cfg)], make_backend, "train.py") == 2 and made == []
+    assert capsys.readouterr().err.strip() == \
+        f"train.py: error: data.dir: {tmp_path / 'none'} does not exist (run prepare_data.py first)"
+    assert main([str(cfg)], make_backend, "train.py", launched_together=lambda c: False) == 2 and made == []
+    capsys.readouterr()
+    assert main([str(cfg)], make_backend, "train.py", launched_together=lambda c: True) == 2 and len(made) == 1
+    assert capsys.readouterr().err.strip() == "train.py: error: from the launch agreement"
 
 
 # -- two gloo processes --------------------------------------------------------------------------
@@ -204,3 +225,13 @@ def test_nodes_with_other_data_refuse_together(tmp_path, stdlib_data):
     for node, data in enumerate((stdlib_data, other)):  # each names its own directory
         assert_both_refuse([results[node]], f"data.dir: {data}/meta.json describes other data on process(es) 1 "
                                             "than on process 0: every host must train on the same prepared data")
+
+
+@needs_torchrun
+def test_a_node_without_its_data_stops_every_node_at_once(tmp_path, stdlib_data):
+    """check_data failing on node 1 only: node 1 exited at once and node 0 waited for it in the
+    rendezvous for 30 minutes. Now both say it, exit 2."""
+    cfg = tiny_config(tmp_path, stdlib_data, **{"training.max_steps": 4})
+    missing = tmp_path / "not_copied_here"
+    results = two_nodes(tmp_path, cfg, [[], [f"data.dir={missing}"]])
+    assert_both_refuse(results, f"data.dir: {missing} does not exist (run prepare_data.py first) (found by process 1)")

@@ -591,10 +591,17 @@ def _yaml(tree: dict) -> str:
     return yaml.safe_dump(tree, sort_keys=False, default_flow_style=None).rstrip()
 
 
-def main(argv: list[str] | None, make_backend, prog: str, entry: str = "torch") -> int:
+def main(argv: list[str] | None, make_backend, prog: str, entry: str = "torch",
+         launched_together=None) -> int:
     """Command-line entry shared by train.py and train_xla.py (``entry`` "torch" or "xla"): config
     errors are one line, exit 2. ``--plan`` prints the memory and time plan instead of training
-    (training/plan.py): exit 0 if it fits, 1 if not."""
+    (training/plan.py): exit 0 if it fits, 1 if not.
+
+    ``launched_together(cfg)``: whether this process is one of several started separately
+    (torchrun's processes, a TPU pod's hosts), asked only when ``check_data`` fails here. Such a
+    process goes on to make its backend instead of exiting: the others would wait for it in the
+    process group's rendezvous (30 minutes). The backend's launch agreement runs ``check_data``
+    again, with them, and every process exits 2 with the same line."""
     import argparse
     from .config import load_config
 
@@ -631,7 +638,11 @@ def main(argv: list[str] | None, make_backend, prog: str, entry: str = "torch") 
                  if getattr(args, f) is not None]
         if extra:
             raise ConfigError(f"--{extra[0].replace('_', '-')} is a --plan option")
-        check_data(cfg)
+        try:
+            check_data(cfg)
+        except ConfigError:
+            if launched_together is None or not launched_together(cfg):
+                raise  # one process: said now, before anything is made
         return make_backend(cfg)
     except (ConfigError, CheckpointError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)

@@ -340,23 +340,32 @@ class XLABackend(Backend):
             xr.use_spmd()
         self._init_cache(cfg.xla.compile_cache)
         self.device = torch_xla.device()
-        # train_xla.py's launcher checked the config alone before spawning; here with the devices
-        check_xla(cfg, xr.global_runtime_device_count() if self.spmd else None)
         if self.spmd:
-            import torch_xla.distributed.spmd as xs
-            self.xs = xs
-            self.mesh = build_mesh(cfg.xla.mesh)
             self.world_size, self.rank, self.is_master = 1, 0, xr.process_index() == 0
-            problem = tp_problem(self.mesh, cfg.xla.mesh) or scan_problem(cfg)
         else:
             self.world_size = xr.world_size()
             self.rank = xr.global_ordinal()
             self.is_master = self.rank == 0  # the global master: one writer across hosts
-            problem = ""
         # One gloo group over every process (world = hosts in SPMD, ordinals in ddp; its TCP store
         # is on host 0: MASTER_ADDR or the TPU metadata, MASTER_PORT, default 12355), made once:
         # the launch checks, the loop's decisions and checkpoint I/O all go through it.
         self.processes = xr.process_count() if self.spmd else self.world_size
+        # The checks with the devices. With several processes a failure is this process's
+        # problem in the launch agreement below, not a raise: a host that ended here would leave
+        # the others waiting for it in the group's rendezvous (gloo's 30 minutes).
+        problem = ""
+        try:
+            # train_xla.py's launcher checked the config alone before spawning; here with the devices
+            check_xla(cfg, xr.global_runtime_device_count() if self.spmd else None)
+            if self.spmd:
+                import torch_xla.distributed.spmd as xs
+                self.xs = xs
+                self.mesh = build_mesh(cfg.xla.mesh)
+                problem = tp_problem(self.mesh, cfg.xla.mesh) or scan_problem(cfg)
+        except ConfigError as e:
+            if self.processes == 1:
+                raise
+            problem = str(e)
         self._made_group = False
         if not self.spmd and self.processes > 1 and xr.addressable_runtime_device_count() > 1:
             # xmp.spawn runs the replicas of a process with several devices (PJRT CPU with
