@@ -316,9 +316,10 @@ def test_host_group_decisions_are_the_same_everywhere(tmp_path):
                        "max": [1, -3, 2 ** 40]}
 
 
-def _find_in(rank, store_path, dirs, out_dir, unreadable_on=None):
+def _find_in(rank, store_path, dirs, out_dir, unreadable_on=None, fmt="file", unwritable_on=None):
     """Checkpointer.find on two processes whose checkpoint.dir is ``dirs[rank]``; on process
-    ``unreadable_on`` no checkpoint loads (a read that failed there only)."""
+    ``unreadable_on`` no checkpoint loads (a read that failed there only); on process
+    ``unwritable_on`` no file can be written there (a read-only mount on one host)."""
     from types import SimpleNamespace
 
     import torch.distributed as dist
@@ -328,9 +329,13 @@ def _find_in(rank, store_path, dirs, out_dir, unreadable_on=None):
         def peek(path):
             raise C.CheckpointError(f"{path}: truncated")
         C.peek_checkpoint = peek
+    if rank == unwritable_on:
+        def read_only(obj, path):
+            raise OSError(30, "Read-only file system", str(path))
+        C.atomic_write_json = read_only
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=2)
     host = HostGroup(new_gloo_group())
-    backend = SimpleNamespace(host=host, is_master=rank == 0, checkpoint_format="file",
+    backend = SimpleNamespace(host=host, is_master=rank == 0, checkpoint_format=fmt,
                               all_equal=host.all_equal)
     try:
         found = Checkpointer(dirs[rank], keep=1, backend=backend, log=lambda m: None).find("auto")
@@ -402,3 +407,24 @@ def test_processes_resuming_from_one_file_share_it():
     added = {how: r[how]["private_mib"] - r["nothing"]["private_mib"] for how in ("load_checkpoint", "torch.load")}
     assert added["torch.load"] >= 0.8 * r["file_mib"]  # the measurement sees a private copy (~0.92 measured)
     assert added["load_checkpoint"] <= 0.1 * r["file_mib"], (added, r)
+
+
+@pytest.mark.parametrize("fmt", ["dcp", "file"])
+def test_a_checkpoint_dir_one_process_cannot_write_is_refused_by_all_for_sharded_saves(tmp_path, fmt):
+    """Sharded (DCP) saves need every process to write its own shards into checkpoint.dir: a
+    process that could read the master's probe but not write there failed only at the first save,
+    after training. Now every process writes (and removes) a probe of its own at the check, and
+    all refuse together in one line naming the process. Single-file saves (the master writes
+    alone) do not need it."""
+    import torch.multiprocessing as mp
+    run_dir = str(tmp_path / "run")
+    mp.spawn(_find_in, args=(str(tmp_path / "store"), [run_dir] * 2, str(tmp_path), None, fmt, 1), nprocs=2)
+    res = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in (0, 1)]
+    if fmt == "file":
+        assert res == [{"found": None}] * 2
+    else:
+        want = (f"checkpoint.dir={run_dir}: process 1 cannot write there, and every process writes its own "
+                f"shards of a sharded checkpoint: [Errno 30] Read-only file system: '{run_dir}/.shared-probe-")
+        assert all(r["error"].startswith(want) and r["error"].endswith("-1'") for r in res), res
+        assert res[0] == res[1]
+    assert list((tmp_path / "run").iterdir()) == []  # no probe left behind

@@ -545,8 +545,11 @@ class Checkpointer:
         """Refuse, on every process together, a ``checkpoint.dir`` that some process does not see
         as the master does (a local disk on each host instead of a shared filesystem or bucket):
         its saves would be missing the other hosts' shards, and resume would differ per host.
-        One process checks only that it can write there (before, a file or a read-only directory
-        in its way was a traceback from the first log line)."""
+        In the sharded (DCP) form every process also writes (and removes) a probe file of its
+        own there, since every process writes its shards: one that cannot (a read-only mount on
+        one host) failed only at the first save, after training. One process checks only that
+        it can write there (before, a file or a read-only directory in its way was a traceback
+        from the first log line)."""
         host = self.backend.host
         token = ""
         if self.backend.is_master:
@@ -571,15 +574,30 @@ class Checkpointer:
             seen = json.loads(probe.read_text()).get("token") == token
         except (OSError, ValueError):
             seen = False
-        seen_by = host.all_gather_text("1" if seen else "0")
+        mine = "1" if seen else "0"
+        if self.sharded and not self.backend.is_master and seen:
+            own = self.run_dir / f".shared-probe-{token}-{host.rank}"
+            try:
+                atomic_write_json({"token": token}, own)
+                own.unlink()
+            except OSError as e:
+                mine = f"!{first_line(e)}"
+        seen_by = host.all_gather_text(mine)
         if self.backend.is_master:
             probe.unlink(missing_ok=True)
-        blind = [str(rank) for rank, s in enumerate(seen_by) if s != "1"]
+        blind = [str(rank) for rank, s in enumerate(seen_by) if s == "0"]
         if blind:
             raise CheckpointError(
                 f"checkpoint.dir={self.run_dir}: process(es) {', '.join(blind)} do not see the files "
                 "process 0 writes there: put it on storage every host mounts (a shared filesystem "
                 "or a gcsfuse bucket), at the same path")
+        unwritable = [(rank, s[1:]) for rank, s in enumerate(seen_by) if s.startswith("!")]
+        if unwritable:
+            rank, why = unwritable[0]
+            others = f" (and process(es) {', '.join(str(r) for r, _ in unwritable[1:])})" if unwritable[1:] else ""
+            raise CheckpointError(
+                f"checkpoint.dir={self.run_dir}: process {rank} cannot write there{others}, and every "
+                f"process writes its own shards of a sharded checkpoint: {why}")
 
     def restore(self, path: Path, peeked: dict, model, optimizer) -> None:
         """Load the tensors of a ``find`` result into the live (placed, sharded) model and

@@ -54,6 +54,11 @@ class HostGroup:
     def size(self) -> int:
         return 1 if self.group is None else dist.get_world_size(self.group)
 
+    @property
+    def rank(self) -> int:
+        """This process's index in the group (its place in ``all_gather_text``'s list)."""
+        return 0 if self.group is None else dist.get_rank(self.group)
+
     def max(self, values: Sequence[int]) -> tuple[int, ...]:
         """For each integer: its largest value over the processes. One all-reduce (MAX)."""
         values = tuple(int(v) for v in values)
