@@ -404,7 +404,9 @@ class XLABackend(Backend):
         if xr.device_type() == "CPU":
             # PJRT CPU cannot deserialise executables: a cache would only add a warning per graph.
             return
-        sub = "spmd" if self.spmd else f"ordinal_{xr.global_ordinal()}"
+        # one directory per process: hosts whose cache is on shared storage never write the
+        # same entries at once (a SPMD process per host, a ddp process per chip)
+        sub = f"spmd_{xr.process_index()}" if self.spmd else f"ordinal_{xr.global_ordinal()}"
         path = Path(cache).expanduser() / sub
         path.mkdir(parents=True, exist_ok=True)
         try:
