@@ -106,6 +106,16 @@ def test_agree_at_launch_with_scripted_processes(tmp_path, stdlib_data):
         agree_at_launch(ScriptedHost([mine], fp), missing)
 
 
+def test_one_process_has_nothing_to_agree_on_but_its_own_problem(tmp_path):
+    """A single process compares nothing (main ran check_data before its backend was made;
+    benchmarks make backends over stand-in data directories): only its own problem is said."""
+    from training.distributed import HostGroup
+    cfg = load_config(None, ["training.max_steps=1", f"data.dir={tmp_path / 'stand-in'}"])
+    agree_at_launch(HostGroup(), cfg)
+    with pytest.raises(ConfigError, match=r"^xla.mesh: too big$"):
+        agree_at_launch(HostGroup(), cfg, "xla.mesh: too big")
+
+
 def test_main_checks_the_data_first_in_one_process_and_together_when_launched_together(tmp_path, stdlib_data, capsys):
     """One process: check_data's error before any backend is made, exit 2 (as before). One of
     several processes (torchrun's, a pod's hosts): the backend is made, and its launch agreement

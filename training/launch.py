@@ -142,7 +142,13 @@ def agree_at_launch(host, cfg, problem: str = "") -> None:
     local). ``problem``: what this process already found wrong ("" if nothing). ``check_data``
     runs here on every process and its error joins the problems, so a host whose ``data.dir`` is
     missing stops every host with it. Raises the verdict as a ``ConfigError`` on every process,
-    or returns on every process. One all-gather; a second only when the configs differ."""
+    or returns on every process. One all-gather; a second only when the configs differ. One
+    process has nothing to compare: only its own ``problem`` is raised (``main`` ran
+    ``check_data`` already; benchmarks make backends over stand-in data directories)."""
+    if host.size == 1:
+        if problem:
+            raise ConfigError(problem)
+        return
     fingerprint = ""
     try:
         from .data import data_fingerprint
