@@ -70,12 +70,7 @@ class HostGroup:
 
     def any(self, flags: Sequence[bool]) -> tuple[bool, ...]:
         """For each flag: is it true on any process? One all-reduce (MAX) for all of them."""
-        flags = tuple(bool(f) for f in flags)
-        if self.group is None:
-            return flags
-        t = torch.tensor(flags, dtype=torch.int32)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-        return tuple(bool(v) for v in t.tolist())
+        return tuple(bool(v) for v in self.max([bool(f) for f in flags]))
 
     def all_equal(self, text: str) -> bool:
         """Is ``text`` the same on every process? (Compares a 62-bit hash: one all-reduce of
