@@ -19,8 +19,9 @@ with ``init_method='xla://'`` (rank = host in SPMD, = ordinal in ddp). Everythin
 decide together goes through it, host-side (``training.distributed.HostGroup``: no device sync,
 no rendezvous): the set-up checks (the mesh, the SPMD batch, the data and the config every host
 has: ``training.launch``) refuse a launch with one line before anything compiles; stop after
-SIGTERM or non-finite steps is checked at log steps. SPMD checkpoints are DCP directories written with torch_xla's ``SPMDSavePlanner``
-over a second gloo group (the writer thread's): each host writes only its own shards (replicated
+SIGTERM or non-finite steps is decided about once a second and at log steps
+(``loop.decision_interval``). SPMD checkpoints are DCP directories written with torch_xla's
+``SPMDSavePlanner`` over a second gloo group (the writer thread's): each host writes only its own shards (replicated
 tensors once), nothing is gathered. ddp checkpoints are single files by the master.
 """
 from __future__ import annotations
