@@ -889,6 +889,11 @@ class Block(nn.Module):
         return h, torch.cat([stats, res_diag.view(1), gate.view(1)])
 
 
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The mean cross-entropy over targets != -1, computed in fp32 whatever the logits' dtype."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-1)
+
+
 # ----------------------------------------------------------------------------------------------
 # The model.
 
@@ -911,6 +916,8 @@ class NashMHC(nn.Module):
         # The XLA backend may run all blocks as one compiled loop body (torch_xla's scan):
         # blocks_fn(blocks, h, cos, sin, masks, checkpoint) -> (h, the blocks' mean stats).
         self.blocks_fn = None
+        # train.py's training.compile swaps in a compiled lm_loss (the fp32 cast fused into it).
+        self.loss_fn = lm_loss
         names = []  # the blocks' stats, in Block.forward's order
         if cfg.nash_scales > 1:
             names += ["nash_entropy"] + [f"nash_w{l}" for l in range(cfg.nash_scales)]
@@ -1004,7 +1011,7 @@ class NashMHC(nn.Module):
         logits = self.lm_head(x)
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-1)
+            loss = self.loss_fn(logits, targets)
         return ModelOutput(logits, loss, self._metrics(stats))
 
     def _chunked_loss(self, x, targets):

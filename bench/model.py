@@ -212,14 +212,14 @@ def time_variants(args) -> dict:
 def torch_step(args, variant: str, compiled: bool):
     """The eager or torch.compile training step of one variant (fused AdamW, as train.py on CPU/CUDA)."""
     import torch
-    from training.backend import TorchBackend, compile_blocks
+    from training.backend import TorchBackend, compile_regions
     from training.config import TrainingConfig
     from training.optim import build_optimizer
 
     torch.manual_seed(0)
     model = build_model(make_config(args, variant))
     if compiled:
-        compile_blocks(model)                   # train.py's training.compile
+        compile_regions(model)                   # train.py's training.compile
     opt = build_optimizer(model, TrainingConfig(), TorchBackend("cpu").adamw_factory())
     idx = torch.randint(0, args.vocab, (args.batch, args.seq))
     tgt = torch.randint(0, args.vocab, (args.batch, args.seq))

@@ -1016,14 +1016,15 @@ def test_bf16_streams_are_saved_for_the_backward_in_bf16():
 @pytest.mark.slow
 @pytest.mark.parametrize("over", [{}, dict(mhc_lite=False), dict(mhc_streams=1, nash_scales=1, nash_window=0)],
                          ids=["nash-mhc", "nash-mhc-sinkhorn", "baseline"])
-def test_torch_compile_of_the_blocks_matches_eager(over):
-    """train.py's training.compile (``compile_blocks``) on the CPU (inductor): every block's forward
-    and backward traced without a graph break (fullgraph raises on one), one graph for all the
-    blocks (the compile time does not grow with n_layers), parameter names untouched, and eager's
-    loss and gradients: the compile path GPU users take, checked here. The compiled blocks run the
-    plain forms of the stream ops, eager the autograd.Functions, so this also compares the two."""
+def test_torch_compile_of_the_blocks_and_loss_matches_eager(over):
+    """train.py's training.compile (``compile_regions``) on the CPU (inductor): every block's forward
+    and backward and the loss traced without a graph break (fullgraph raises on one), one graph for
+    all the blocks (the compile time does not grow with n_layers) and one for the loss, parameter
+    names untouched, and eager's loss and gradients: the compile path GPU users take, checked here.
+    The compiled blocks run the plain forms of the stream ops, eager the autograd.Functions, so this
+    also compares the two."""
     from torch._dynamo.utils import counters
-    from training.backend import compile_blocks
+    from training.backend import compile_regions
 
     torch._dynamo.reset()
     counters.clear()
@@ -1033,10 +1034,10 @@ def test_torch_compile_of_the_blocks_matches_eager(over):
     idx, tgt = torch.randint(0, 64, (2, 40)), torch.randint(0, 64, (2, 40))
     ref = eager(idx, tgt)
     ref.loss.backward()
-    compile_blocks(compiled)
+    compile_regions(compiled)
     out = compiled(idx, tgt)
     out.loss.backward()
-    assert counters["stats"]["unique_graphs"] == 1       # block 1 ran block 0's graph
+    assert counters["stats"]["unique_graphs"] == 2       # block 1 ran block 0's graph; the loss
     assert list(compiled.state_dict()) == names
     assert torch.allclose(out.loss, ref.loss, rtol=1e-5, atol=1e-6)
     for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
