@@ -460,10 +460,12 @@ def small_gpu_base() -> tuple[dict, str]:
 
 
 def time_train_steps(model_cfgs: dict, batch: int, seq: int, device: str, precision: str, compile: bool,
-                     warmup: int, repeats: int) -> dict:
+                     warmup: int, repeats: int, prepared=None) -> dict:
     """Full training steps (forward, backward, clipping, fused AdamW) of several models, built and
     placed as train.py does (TorchBackend), timed interleaved. Returns per model: step seconds,
-    tokens/s, FLOPs per token, MFU (where the device's peak is known), or the error that stopped it."""
+    tokens/s, FLOPs per token, MFU (where the device's peak is known), or the error that stopped it.
+    ``prepared(name, model)``, if given, may change each model after train.py's placement (a
+    before/after comparison of one of its steps)."""
     import torch
     from model import NashMHC
     from training.backend import TorchBackend
@@ -482,6 +484,8 @@ def time_train_steps(model_cfgs: dict, batch: int, seq: int, device: str, precis
         torch.manual_seed(0)
         raw = NashMHC(mcfg)
         model = backend.prepare_model(raw, cfg)
+        if prepared:
+            prepared(name, raw)
         opt = build_optimizer(raw, cfg.training, backend.adamw_factory())
         params = [p for p in raw.parameters() if p.requires_grad]
         x = torch.randint(0, mcfg.vocab_size, (batch, seq), device=backend.device)

@@ -332,3 +332,61 @@ def test_variants_take_model_settings_and_bad_ones_name_the_option():
                      ("nash-only+", "--variants: '' is not field=value")):
         with pytest.raises(ValueError, match=msg):
             bench_model.make_config(args, bad)
+
+
+# ----------------------------------------------------------------------------------------------
+# bench/gpu.py: what can be checked without a GPU
+
+@pytest.mark.parametrize("args, message", [
+    (["--only", "tests,bogus"], "unknown stage(s) bogus"),
+    (["--data", "/nonexistent"], "/nonexistent: no meta.json"),
+    (["--steps", "5"], "--steps must be at least 20"),
+    (["--only", "variants", "--variants", "baseline,nash-mhc+bogus=1"], "'bogus=1' is not field=value"),
+    (["--only", "baseline"], "runs/baseline exists"),
+    ([], "no CUDA GPU here"),                     # CI has none: every other check comes first
+])
+def test_bench_gpu_bad_arguments_are_one_line_errors(tmp_path, stdlib_data, args, message):
+    (tmp_path / "out" / "runs" / "baseline").mkdir(parents=True)   # an earlier call's run: never resumed
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu.py"), "--data", str(stdlib_data),
+                        "--out", str(tmp_path / "out"), "--only", "tests", *args],
+                       cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and message in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+    assert not (tmp_path / "out" / "gpu.json").exists()
+
+
+def test_bench_gpu_summarises_train_py_lines_after_the_first(tmp_path):
+    """The figures of a training stage come from train.py's metrics.jsonl: medians over the lines
+    after the first (which holds the compile warm-up), the last evaluation, the largest peak."""
+    from bench import gpu
+
+    lines = [{"step": 10, "time": 130.0, "step_time": 3.0, "tokens_per_sec": 1e4, "mfu": 0.05, "loss": 9.0,
+              "mem_peak_gib": 30.0},
+             {"step": 20, "time": 131.0, "step_time": 0.2, "tokens_per_sec": 2e5, "mfu": 0.30, "loss": 7.0,
+              "mem_peak_gib": 34.0},
+             {"step": 30, "time": 133.0, "step_time": 0.1, "tokens_per_sec": 3e5, "mfu": 0.40, "loss": 6.5,
+              "eval_loss": 6.6, "mem_peak_gib": 33.0},
+             {"step": 40, "time": 134.0, "step_time": 0.3, "tokens_per_sec": 1e5, "mfu": 0.20, "loss": 6.0}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    m = gpu.summarise(tmp_path, start=100.0)
+    assert m["first_log_s"] == 30.0 and m["first_log_step"] == 10 and m["last_step"] == 40
+    assert m["step_ms"] == pytest.approx(200.0) and m["tokens_per_sec"] == 2e5 and m["mfu"] == pytest.approx(0.30)
+    assert m["mem_peak_gib"] == 34.0 and m["mem_reserved_gib"] is None
+    assert m["val_loss"] == 6.6 and m["loss"] == 6.0
+    resumed = gpu.summarise(tmp_path, start=132.0, from_step=20)    # a resumed run's own lines
+    assert resumed["first_log_step"] == 30 and resumed["first_log_s"] == 1.0 and resumed["step_ms"] == pytest.approx(300.0)
+    assert gpu.summarise(tmp_path, start=0.0, from_step=40) == {}
+
+
+@pytest.mark.parametrize("name, kind", [       # kernel names from bench/gpu.py's profile on an H100
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x64_1x4x1", "attention"),
+    ("void cudnn::fusion::compute_dot_do_o_specialized<true, 64>(void const*, void const*)", "attention"),
+    ("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT", "matmul"),
+    ("sm80_xmma_gemm_f32f32_f32f32_f32_tn_n_tilesize128x32x8_stage3_warpsize2x2x1_ffma", "matmul"),
+    ("triton_red_fused__to_copy_expand_mul_permute_squeeze_sum_unsqueeze_view_5", "inductor"),
+    ("triton_poi_fused__scaled_dot_product_cudnn_attention_backward__softmax_backward_data", "attention"),
+    ("void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float, float, float>", "other"),
+])
+def test_bench_gpu_kernel_kinds(name, kind):
+    from bench import gpu
+    assert gpu.kernel_kind(name) == kind

@@ -1,0 +1,305 @@
+"""What only a CUDA GPU can show, in one call: the CUDA-only tests, train.py's real GPU path
+(bf16 autocast, torch.compile, fused AdamW) on configs/small_gpu.yaml and its baseline twin, a
+resume from the checkpoint it wrote, and sampling from it.
+
+    python bench/gpu.py --data data/stdlib32k --out /tmp/gpu     # ~6 min on one H100
+    python bench/gpu.py --data data/stdlib32k --only tests,nash-mhc --steps 40
+
+--data is a prepare_data.py directory whose vocabulary fits small_gpu's 32,768 (e.g. the Python
+standard library with --vocab-size 32768, 8M tokens: this script measures speed, not learning).
+
+Stages, each a subprocess with its own time limit, in this order (a stage that fails is reported
+and the others still run; the exit code is then 1):
+
+  tests     pytest on the tests that skip without CUDA (SDPA kernels against the math path)
+  nash-mhc  train.py configs/small_gpu.yaml, batch 32 x seq 1024, no accumulation, --steps steps,
+            logging every 10, an evaluation and a checkpoint at --steps - 10 and at the end
+  baseline  the same with configs/small_gpu_baseline.yaml (1 stream, 1 scale, full attention)
+  resume    nash-mhc again, to --steps + 20: resumes from its final checkpoint (compiles again,
+            from inductor's cache when it is warm)
+  sample    sample.py from nash-mhc's run directory on the GPU
+  variants  bench/run.py's GPU training step (time_train_steps: bf16, torch.compile, clipping,
+            fused AdamW) of small_gpu's shape as baseline, nash-mhc, mhc-only, nash-only and
+            baseline-window (bench/model.py VARIANTS; --variants), timed interleaved: where the cost is
+  profile   torch.profiler over compiled nash-mhc and baseline training steps: GPU time per step
+            by kind of kernel (matrix products, attention, inductor's fused kernels, other) and
+            the kernels that take the most
+
+Per training stage: the wall time of the process; "first log" is the time from the process's
+start to its first metrics.jsonl line (start-up, data, torch.compile's warm-up and the first
+--log-interval steps); the median step time, tokens/s and MFU over the log lines after the first
+(train.py's own figures: evaluation and saves are left out of its throughput), the peak memory
+train.py logged, and the last validation loss. Writes OUT/gpu.json after every stage (a run cut
+short keeps what it measured) and each stage's output to OUT/<stage>.log; the runs go to --runs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script, sys.path[0] is bench/
+    sys.path.insert(0, str(ROOT))
+STAGES = ("tests", "nash-mhc", "baseline", "resume", "sample", "variants", "profile")
+DEVICE = "cuda"   # the inner stages' device (a CPU smoke test of this script sets "cpu")
+VARIANTS = ("baseline", "nash-mhc", "mhc-only", "nash-only", "baseline-window")
+EAGER_LOSS = "/eager-loss"   # a variant's suffix: the loss left eager (before compile_regions compiled it)
+CONFIGS = {"nash-mhc": "configs/small_gpu.yaml", "baseline": "configs/small_gpu_baseline.yaml"}
+
+
+def run_stage(name: str, cmd: list[str], out: Path, limit: float, env: dict | None = None) -> dict:
+    """Run one stage's command with a time limit; its output goes to OUT/<name>.log."""
+    print(f"== {name}: {' '.join(cmd)}", flush=True)
+    t0 = time.time()
+    with open(out / f"{name}.log", "w") as log:
+        try:
+            rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=limit,
+                                env={**os.environ, **(env or {})}).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    res = {"cmd": cmd, "rc": rc, "wall_s": round(time.time() - t0, 1), "start": t0}
+    tail = (out / f"{name}.log").read_text(errors="replace").replace("\r", "\n").strip().splitlines()[-3:]
+    print(f"   rc {rc}, {res['wall_s']} s: " + " | ".join(tail), flush=True)
+    return res
+
+
+def train_cmd(config: str, data: Path, run_dir: Path, steps: int, batch: int) -> list[str]:
+    save = max(steps - 10, 10)
+    return [sys.executable, "train.py", config, f"data.dir={data}", f"checkpoint.dir={run_dir}",
+            "training.total_tokens=null", f"training.max_steps={steps}", f"training.batch_size={batch}",
+            "training.gradient_accumulation_steps=1", "training.warmup_steps=10", "training.device=cuda",
+            "logging.interval=10", "logging.tensorboard=false", f"evaluation.interval={save}",
+            "evaluation.steps=10", f"checkpoint.interval={save}", "checkpoint.resume=auto"]
+
+
+def summarise(run_dir: Path, start: float, from_step: int = 0) -> dict:
+    """train.py's own figures from metrics.jsonl, lines after ``from_step`` (a resumed run's)."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return {}
+    lines = [json.loads(s) for s in path.read_text().splitlines() if s.strip()]
+    lines = [r for r in lines if r["step"] > from_step]
+    if not lines:
+        return {}
+    warm = lines[1:] or lines
+    med = lambda key: statistics.median(r[key] for r in warm) if all(key in r for r in warm) else None
+    evals = [r["eval_loss"] for r in lines if "eval_loss" in r]
+    return {"first_log_s": round(lines[0]["time"] - start, 1), "first_log_step": lines[0]["step"],
+            "step_ms": med("step_time") and 1000 * med("step_time"), "tokens_per_sec": med("tokens_per_sec"),
+            "mfu": med("mfu"), "mem_peak_gib": max((r["mem_peak_gib"] for r in lines if "mem_peak_gib" in r), default=None),
+            "mem_reserved_gib": max((r["mem_reserved_gib"] for r in lines if "mem_reserved_gib" in r), default=None),
+            "last_step": lines[-1]["step"], "loss": lines[-1]["loss"], "val_loss": evals[-1] if evals else None}
+
+
+def table(results: dict) -> str:
+    fmt = lambda v, f: "-" if v is None else format(v, f)
+    rows = ["| stage | rc | wall s | first log s | step ms | tokens/s | MFU | peak GiB | val loss |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, r in results["stages"].items():
+        m = r.get("metrics", {})
+        rows.append(f"| {name} | {r['rc']} | {r['wall_s']} | {fmt(m.get('first_log_s'), '')} | "
+                    f"{fmt(m.get('step_ms'), '.1f')} | {fmt(m.get('tokens_per_sec'), ',.0f')} | "
+                    f"{fmt(m.get('mfu'), '.1%')} | {fmt(m.get('mem_peak_gib'), '.1f')} | "
+                    f"{fmt(m.get('val_loss'), '.4f')} |")
+    base, nash = (results["stages"].get(k, {}).get("metrics", {}).get("step_ms") for k in ("baseline", "nash-mhc"))
+    if base and nash:
+        rows.append(f"\nNash-MHC / baseline step time: {nash / base:.2f}x")
+    return "\n".join(rows)
+
+
+def small_gpu_configs(names, seq: int) -> dict:
+    """small_gpu's model as each named variant: bench/model.py's NAME[+field=value...], and
+    NAME/eager-loss (the same model)."""
+    from bench.model import VARIANTS as MODEL_VARIANTS
+    from bench.model import split_variant
+    from bench.run import small_gpu_base
+    from model import ModelConfig
+
+    base, _ = small_gpu_base()
+    base["max_seq_len"] = max(base["max_seq_len"], seq)
+    out = {}
+    for v in names:
+        name, settings = split_variant(v.removesuffix(EAGER_LOSS))
+        out[v] = ModelConfig(**{**base, **MODEL_VARIANTS[name], **settings})
+    return out
+
+
+def eager_loss(name: str, model) -> None:
+    if name.endswith(EAGER_LOSS):
+        from model import lm_loss
+        model.loss_fn = lm_loss
+
+
+def variants(out: Path, batch: int, names, seq: int = 1024) -> None:
+    """The training step of every named model at small_gpu's shape, interleaved (in this process)."""
+    from bench.run import time_train_steps
+
+    res = time_train_steps(small_gpu_configs(names, seq), batch, seq, DEVICE, "bf16", True, 3, 10, eager_loss)
+    ref = res["models"][names[0]].get("step_s")   # the first named: the reference
+    print(f"{res['device']}, batch {batch} x seq {seq}, bf16, torch.compile, median of 10 interleaved steps")
+    print(f"| variant | step ms | x {names[0]} | tokens/s | MFU |\n|---|---:|---:|---:|---:|")
+    for v, r in res["models"].items():
+        if "step_s" not in r:
+            print(f"| {v} | {r.get('error', 'failed')} | | | |")
+            continue
+        r["x_baseline"] = r["step_s"] / ref if ref else None
+        mfu = f"{r['mfu']:.1%}" if r.get("mfu") else "-"
+        x = f"{r['x_baseline']:.2f}" if ref else "-"
+        print(f"| {v} | {1000 * r['step_s']:.1f} | {x} | {r['tokens_per_sec']:,.0f} | {mfu} |")
+    (out / "variants.json").write_text(json.dumps(res, indent=1) + "\n")
+
+
+KINDS = (("attention", ("fmha", "flash", "attention", "cudnn", "sdpa")),
+         ("matmul", ("gemm", "xmma", "cutlass", "nvjet", "sm90", "cublas")),
+         ("inductor", ("triton",)))
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    return next((kind for kind, keys in KINDS if any(k in low for k in keys)), "other")
+
+
+def profile(out: Path, batch: int, seq: int = 1024, steps: int = 5) -> None:
+    """GPU time per training step by kind of kernel, and the top kernels, of nash-mhc and baseline."""
+    import torch
+    from model import NashMHC
+    from training.backend import TorchBackend
+    from training.config import Config
+    from training.optim import build_optimizer
+
+    backend = TorchBackend(DEVICE)
+    cfg = Config()
+    cfg.training.compile = True
+    for name, mcfg in small_gpu_configs(("nash-mhc", "baseline"), seq).items():
+        torch.manual_seed(0)
+        raw = NashMHC(mcfg)
+        model = backend.prepare_model(raw, cfg)
+        opt = build_optimizer(raw, cfg.training, backend.adamw_factory())
+        x, y = (torch.randint(0, mcfg.vocab_size, (batch, seq), device=DEVICE) for _ in range(2))
+
+        def step():
+            with backend.autocast(torch.bfloat16):
+                model(x, y).loss.backward()
+            torch.nn.utils.clip_grad_norm_(raw.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        for _ in range(3):
+            step()
+        backend.wait_device()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                step()
+            backend.wait_device()
+        kernels = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+        total = sum(e.self_device_time_total for e in kernels)
+        if not total:
+            print(f"{name}: no GPU kernels recorded")
+            continue
+        by_kind: dict = {}
+        for e in kernels:
+            by_kind[kernel_kind(e.key)] = by_kind.get(kernel_kind(e.key), 0) + e.self_device_time_total
+        print(f"\n{name}: {total / steps / 1000:.1f} ms of GPU kernels per step (batch {batch} x seq {seq}); by kind: "
+              + ", ".join(f"{k} {v / steps / 1000:.1f} ms ({v / total:.0%})" for k, v in
+                          sorted(by_kind.items(), key=lambda kv: -kv[1])))
+        top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:25]
+        print("| ms/step | calls/step | kind | kernel |\n|---:|---:|---|---|")
+        for e in top:
+            print(f"| {e.self_device_time_total / steps / 1000:.2f} | {e.count / steps:.0f} | "
+                  f"{kernel_kind(e.key)} | {e.key[:110]} |")
+        del model, opt, raw
+        torch.cuda.empty_cache()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", type=Path, required=True, help="prepare_data.py directory (vocabulary <= 32768)")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "gpu")
+    ap.add_argument("--runs", type=Path, help="run directories (checkpoints: ~1.5 GB per run; default OUT/runs)")
+    ap.add_argument("--only", default=",".join(STAGES), help=f"comma-separated, from: {', '.join(STAGES)}")
+    ap.add_argument("--steps", type=int, default=60, help="training steps of nash-mhc and baseline")
+    ap.add_argument("--batch", type=int, default=32, help="sequences of 1024 tokens per step")
+    ap.add_argument("--variant-batch", type=int, default=16,
+                    help="variants, profile: sequences of 1024 tokens per step (several models on the GPU at once)")
+    ap.add_argument("--variants", default=",".join(VARIANTS),
+                    help="variants: comma-separated, bench/model.py's NAME[+field=value...] (e.g. "
+                         "nash-mhc+stream_dtype=bf16), NAME/eager-loss: the loss not compiled")
+    ap.add_argument("--limit", type=float, default=240, help="seconds before a stage is stopped")
+    ap.add_argument("--inner", choices=("variants", "profile"), help=argparse.SUPPRESS)  # a stage's process
+    args = ap.parse_args()
+    if args.inner:
+        args.out.mkdir(parents=True, exist_ok=True)
+        if args.inner == "variants":
+            variants(args.out, args.batch, args.variants.split(","))
+        else:
+            profile(args.out, args.batch)
+        return 0
+    only = [s.strip() for s in args.only.split(",") if s.strip()]
+    fail = lambda msg: ap.exit(2, f"{ap.prog}: error: {msg}\n")
+    if bad := sorted(set(only) - set(STAGES)):
+        fail(f"--only: unknown stage(s) {', '.join(bad)}; expected {', '.join(STAGES)}")
+    if not (args.data / "meta.json").is_file():
+        fail(f"--data {args.data}: no meta.json (a prepare_data.py output directory)")
+    if args.steps < 20 or args.batch < 1 or args.variant_batch < 1:
+        fail("--steps must be at least 20, --batch and --variant-batch at least 1")
+    runs = (args.runs or args.out / "runs").resolve()
+    for stage in set(only) & set(CONFIGS):
+        if (runs / stage).exists():   # train.py would resume it: a measurement of nothing
+            fail(f"--runs: {runs / stage} exists (a run of an earlier call); remove it or give another --runs")
+    if "variants" in only:
+        from bench.model import split_variant
+        try:
+            for v in args.variants.split(","):
+                split_variant(v.removesuffix(EAGER_LOSS))
+        except ValueError as e:
+            fail(str(e))
+    import torch  # after the argument checks: a wrong flag answers at once
+
+    if not torch.cuda.is_available():
+        fail("no CUDA GPU here (torch.cuda.is_available() is False)")
+    from training.monitor import peak_flops_for
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    data = args.data.resolve()
+    name = torch.cuda.get_device_name(0)
+    results = {"device": name, "torch": torch.__version__, "cuda": torch.version.cuda,
+               "peak_bf16_flops": peak_flops_for(name, "bf16"), "steps": args.steps, "batch": args.batch,
+               "seq": 1024, "stages": {}}
+    print(f"{name}, torch {torch.__version__}, CUDA {torch.version.cuda}, "
+          f"peak bf16 {results['peak_bf16_flops']}", flush=True)
+    for stage in [s for s in STAGES if s in only]:
+        if stage == "tests":
+            r = run_stage(stage, [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                  "tests/test_model.py", "-k", "cuda"], args.out, args.limit)
+        elif stage in CONFIGS:
+            run_dir = runs / stage
+            r = run_stage(stage, train_cmd(CONFIGS[stage], data, run_dir, args.steps, args.batch), args.out, args.limit)
+            r["metrics"] = summarise(run_dir, r["start"])
+        elif stage == "resume":
+            run_dir = runs / "nash-mhc"
+            r = run_stage(stage, train_cmd(CONFIGS["nash-mhc"], data, run_dir, args.steps + 20, args.batch),
+                          args.out, args.limit)
+            r["metrics"] = summarise(run_dir, r["start"], from_step=args.steps)
+        elif stage in ("variants", "profile"):
+            r = run_stage(stage, [sys.executable, "bench/gpu.py", "--data", str(data), "--out", str(args.out),
+                                  "--batch", str(args.variant_batch), "--variants", args.variants, "--inner", stage],
+                          args.out, args.limit)
+        else:  # sample
+            r = run_stage(stage, [sys.executable, "sample.py", str(runs / "nash-mhc"), "--device", "cuda",
+                                  "--prompt", "def ", "--max-new-tokens", "64", "--num-samples", "2"],
+                          args.out, args.limit)
+        results["stages"][stage] = r
+        (args.out / "gpu.json").write_text(json.dumps(results, indent=1) + "\n")
+    print("\n" + table(results), flush=True)
+    return 0 if all(r["rc"] == 0 for r in results["stages"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
