@@ -23,7 +23,7 @@ and the others still run; the exit code is then 1):
             baseline-window (bench/model.py VARIANTS; --variants), timed interleaved: where the cost is
   profile   torch.profiler over compiled nash-mhc and baseline training steps: GPU time per step
             by kind of kernel (matrix products, attention, inductor's fused kernels, other) and
-            the kernels that take the most
+            the kernels that take the most (with --code, inductor's source of each in profile.log)
 
 Per training stage: the wall time of the process; "first log" is the time from the process's
 start to its first metrics.jsonl line (start-up, data, torch.compile's warm-up and the first
@@ -231,6 +231,9 @@ def main() -> int:
     ap.add_argument("--variants", default=",".join(VARIANTS),
                     help="variants: comma-separated, bench/model.py's NAME[+field=value...] (e.g. "
                          "nash-mhc+stream_dtype=bf16), NAME/eager-loss: the loss not compiled")
+    ap.add_argument("--code", action="store_true",
+                    help="profile: also write inductor's generated code (TORCH_LOGS=output_code) to "
+                         "OUT/profile.log, where the profile's kernels are found by name")
     ap.add_argument("--limit", type=float, default=240, help="seconds before a stage is stopped")
     ap.add_argument("--inner", choices=("variants", "profile"), help=argparse.SUPPRESS)  # a stage's process
     args = ap.parse_args()
@@ -288,9 +291,10 @@ def main() -> int:
                           args.out, args.limit)
             r["metrics"] = summarise(run_dir, r["start"], from_step=args.steps)
         elif stage in ("variants", "profile"):
+            code = {"TORCH_LOGS": "output_code"} if args.code and stage == "profile" else None
             r = run_stage(stage, [sys.executable, "bench/gpu.py", "--data", str(data), "--out", str(args.out),
                                   "--batch", str(args.variant_batch), "--variants", args.variants, "--inner", stage],
-                          args.out, args.limit)
+                          args.out, args.limit, env=code)
         else:  # sample
             r = run_stage(stage, [sys.executable, "sample.py", str(runs / "nash-mhc"), "--device", "cuda",
                                   "--prompt", "def ", "--max-new-tokens", "64", "--num-samples", "2"],
