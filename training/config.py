@@ -75,7 +75,8 @@ class TrainingConfig:
         "to fp32 with a warning where unsupported", default="bf16")
     seed: int = _help("seed for initialisation, data order and dropout (drawn per step and replica)",
                       default=1337)
-    compile: bool = _help("torch.compile each block (train.py on CUDA): one graph every layer reuses", default=False)
+    compile: bool = _help("torch.compile each block and the loss (train.py on CUDA): one block graph every "
+                          "layer reuses", default=False)
     device: str = _help("train.py: auto (cuda, then mps, then cpu), cuda, cuda:N, mps or cpu",
                         default="auto")
     fsdp: bool = _help("train.py under torchrun: shard parameters, gradients and optimizer state "
