@@ -316,6 +316,49 @@ def test_host_group_decisions_are_the_same_everywhere(tmp_path):
                        "max": [1, -3, 2 ** 40]}
 
 
+def _stall(rank, port, out_dir):
+    """Process 1 joins the groups, then never takes part in a collective; process 0 tries two."""
+    import os
+    import time
+    import torch
+    import torch.distributed as dist
+    from training.backend import TorchBackend
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
+    backend = TorchBackend("cpu", timeout_s=2)            # training.dist_timeout_s: 2
+    done = Path(out_dir) / "0.json"
+    if rank == 1:
+        for _ in range(600):                              # alive (its sockets open) until process 0 is done
+            if done.exists():
+                break
+            time.sleep(0.2)
+        return
+    res = {}
+    for name, collective in (("host decision", lambda: backend.host.max([1])),
+                             ("training group", lambda: dist.all_reduce(torch.ones(1)))):
+        try:
+            collective()
+            res[name] = "returned"
+        except RuntimeError as e:
+            res[name] = str(e)
+    done.write_text(json.dumps(res))
+
+
+def test_a_process_that_stops_taking_part_fails_the_others_after_dist_timeout_s(tmp_path):
+    """training.dist_timeout_s reaches every group train.py makes: a collective whose partner never
+    comes raises after 2 s instead of waiting gloo's default 30 minutes (which this test's own
+    limit would end as a failure)."""
+    import socket
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_stall, args=(port, str(tmp_path)), nprocs=2)
+    res = json.loads((tmp_path / "0.json").read_text())
+    assert set(res) == {"host decision", "training group"}
+    for name, said in res.items():
+        assert "timed out" in said.lower() or "timeout" in said.lower(), (name, said)
+
+
 def _find_in(rank, store_path, dirs, out_dir, unreadable_on=None, fmt="file", unwritable_on=None):
     """Checkpointer.find on two processes whose checkpoint.dir is ``dirs[rank]``; on process
     ``unreadable_on`` no checkpoint loads (a read that failed there only); on process

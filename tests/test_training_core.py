@@ -113,6 +113,7 @@ def test_config_unknown_section(tmp_path):
     ("logging: {wandb: {mode: off}}\ntraining: {max_steps: 3}", "logging.wandb.mode: 'off' is not one of"),
     ("training: {max_steps: 3, device: gpu}", "training.device='gpu': expected auto, cuda, cuda:N, mps or cpu"),
     ("training: {max_steps: 3, device: 'cuda:abc'}", "training.device='cuda:abc': expected"),
+    ("training: {max_steps: 3, dist_timeout_s: 0}", "training.dist_timeout_s=0.0 must be a positive number of seconds"),
 ])
 def test_config_bad_values_name_the_key(tmp_path, text, match):
     with pytest.raises(ConfigError, match=match) as e:

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .checkpoint import keep_hyperparameters, optimizer_state_by_name
-from .distributed import HostGroup, new_gloo_group
+from .distributed import HostGroup, group_timeout, new_gloo_group
 from .launch import agree_at_launch
 from .monitor import peak_flops_for
 
@@ -300,7 +300,7 @@ class TorchBackend(Backend):
 
     name = "torch"
 
-    def __init__(self, device: str = "auto", fsdp: bool = False):
+    def __init__(self, device: str = "auto", fsdp: bool = False, timeout_s: float | None = None):
         self.distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ
         if self.distributed:
             self.rank = int(os.environ["RANK"])
@@ -318,10 +318,11 @@ class TorchBackend(Backend):
             backend = "nccl" if self.device.type == "cuda" else "gloo"
             if not dist.is_initialized():  # a caller (a test, a notebook) may have made it
                 dist.init_process_group(backend=backend, rank=self.rank, world_size=self.world_size,
-                                        device_id=self.device if self.device.type == "cuda" else None)
+                                        device_id=self.device if self.device.type == "cuda" else None,
+                                        timeout=group_timeout(timeout_s))
             # Host-side groups: decisions in the loop's thread, checkpoint I/O in the writer's.
-            self.host = HostGroup(new_gloo_group())
-            self.ckpt_group = new_gloo_group()
+            self.host = HostGroup(new_gloo_group(timeout_s))
+            self.ckpt_group = new_gloo_group(timeout_s)
         self.fsdp = fsdp and self.distributed and self.world_size > 1
         if fsdp and not self.fsdp:
             print("warning: training.fsdp shards over torchrun processes; with one process the "

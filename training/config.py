@@ -85,6 +85,11 @@ class TrainingConfig:
     max_nonfinite_steps: int = _help(
         "stop (saving the last good state) after this many NaN/Inf steps in a row; each such step "
         "skips its update", default=5)
+    dist_timeout_s: Optional[float] = _help(
+        "seconds a collective between processes may wait before the run fails (torchrun's process "
+        "groups, train_xla.py's host group): longer than any gap between collectives (the compile "
+        "warm-up, a checkpoint write); null: torch's defaults, 10 min with nccl, 30 with gloo",
+        default=None)
 
 
 @dataclass
@@ -482,6 +487,8 @@ def check(cfg: Config, path: Any = None) -> None:
         bad(f"training.device={t.device!r}: expected auto, cuda, cuda:N, mps or cpu")
     if t.max_nonfinite_steps < 1:
         bad(f"training.max_nonfinite_steps={t.max_nonfinite_steps} must be at least 1")
+    if t.dist_timeout_s is not None and not 0 < t.dist_timeout_s < math.inf:
+        bad(f"training.dist_timeout_s={t.dist_timeout_s} must be a positive number of seconds (null: torch's defaults)")
     if cfg.evaluation.interval < 0 or cfg.evaluation.steps < 1:
         bad("evaluation.interval must be >= 0 and evaluation.steps >= 1")
     if cfg.checkpoint.interval < 0:

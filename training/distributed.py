@@ -17,6 +17,7 @@ thread, and two threads must never share a process group.
 """
 from __future__ import annotations
 
+import datetime
 import hashlib
 from typing import Sequence
 
@@ -24,19 +25,24 @@ import torch
 import torch.distributed as dist
 
 
-def init_gloo(init_method: str) -> None:
+def group_timeout(seconds: "float | None") -> "datetime.timedelta | None":
+    """``training.dist_timeout_s`` as the process groups take it (``None``: torch's default)."""
+    return None if seconds is None else datetime.timedelta(seconds=seconds)
+
+
+def init_gloo(init_method: str, timeout_s: "float | None" = None) -> None:
     """The default process group, with gloo, unless one is already initialised (a test, a
     notebook, a caller that made it): then that one is used as it is."""
     if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=init_method)
+        dist.init_process_group("gloo", init_method=init_method, timeout=group_timeout(timeout_s))
 
 
-def new_gloo_group() -> "dist.ProcessGroup | None":
+def new_gloo_group(timeout_s: "float | None" = None) -> "dist.ProcessGroup | None":
     """A new gloo group over every process of the initialised default group (``None`` when there
     is no default group or only one process). Every process must call it, in the same order."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return None
-    return dist.new_group(backend="gloo")
+    return dist.new_group(backend="gloo", timeout=group_timeout(timeout_s))
 
 
 class HostGroup:

@@ -380,9 +380,9 @@ class XLABackend(Backend):
             import torch.distributed as dist
             from torch_xla.distributed import xla_backend as _xla_pg  # noqa: F401  (registers xla://)
             self._made_group = not dist.is_initialized()  # a caller's group stays the caller's
-            init_gloo("xla://")
-            self.host = HostGroup(new_gloo_group())
-            self.ckpt_group = new_gloo_group()  # the checkpoint writer's thread has its own
+            init_gloo("xla://", cfg.training.dist_timeout_s)
+            self.host = HostGroup(new_gloo_group(cfg.training.dist_timeout_s))
+            self.ckpt_group = new_gloo_group(cfg.training.dist_timeout_s)  # the checkpoint writer's thread has its own
         self.checkpoint_format = "dcp" if self.spmd else "file"
         # Several processes (hosts, or chips in ddp mode) decide about once a second and at log
         # steps (loop.decision_interval): a per-step gloo all-reduce across a pod would cost
