@@ -128,10 +128,9 @@ def _atomic_write(path: Path, write: Callable[[Path], None]) -> None:
     fsync_dir(path.parent)
 
 
-def atomic_torch_save(obj, path: str | Path, save_fn: Callable | None = None) -> None:
-    """Write ``obj`` with ``torch.save`` (or ``save_fn(obj, tmp)``) to a temporary file next to
-    ``path``, fsync, rename."""
-    _atomic_write(Path(path), lambda tmp: (save_fn or torch.save)(obj, tmp))
+def atomic_torch_save(obj, path: str | Path) -> None:
+    """Write ``obj`` with ``torch.save`` to a temporary file next to ``path``, fsync, rename."""
+    _atomic_write(Path(path), lambda tmp: torch.save(obj, tmp))
 
 
 def atomic_write_json(obj: dict, path: str | Path) -> None:
