@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script, sys.path[0] is bench/
     sys.path.insert(0, str(ROOT))
 STAGES = ("tests", "nash-mhc", "baseline", "resume", "sample", "variants", "profile")
-DEVICE = "cuda"   # the inner stages' device (a CPU smoke test of this script sets "cpu")
+DEVICE = "cuda"   # the inner stages' device (tests/test_bench.py runs ``variants`` on "cpu")
 VARIANTS = ("baseline", "nash-mhc", "mhc-only", "nash-only", "baseline-window")
 EAGER_LOSS = "/eager-loss"   # a variant's suffix: the loss left eager (before compile_regions compiled it)
 CONFIGS = {"nash-mhc": "configs/small_gpu.yaml", "baseline": "configs/small_gpu_baseline.yaml"}
@@ -83,7 +83,12 @@ def summarise(run_dir: Path, start: float, from_step: int = 0) -> dict:
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         return {}
-    lines = [json.loads(s) for s in path.read_text().splitlines() if s.strip()]
+    lines = []
+    for s in path.read_text().splitlines():
+        try:
+            lines.append(json.loads(s))
+        except ValueError:   # the last line of a process stopped at the time limit, half written
+            pass
     lines = [r for r in lines if r["step"] > from_step]
     if not lines:
         return {}
@@ -142,7 +147,8 @@ def variants(out: Path, batch: int, names, seq: int = 1024) -> None:
 
     res = time_train_steps(small_gpu_configs(names, seq), batch, seq, DEVICE, "bf16", True, 3, 10, eager_loss)
     ref = res["models"][names[0]].get("step_s")   # the first named: the reference
-    print(f"{res['device']}, batch {batch} x seq {seq}, bf16, torch.compile, median of 10 interleaved steps")
+    print(f"{res['device']}, batch {batch} x seq {seq}, {res['precision']}, "
+          f"{'torch.compile' if res['compile'] else 'eager'}, median of 10 interleaved steps")
     print(f"| variant | step ms | x {names[0]} | tokens/s | MFU |\n|---|---:|---:|---:|---:|")
     for v, r in res["models"].items():
         if "step_s" not in r:
@@ -237,6 +243,7 @@ def main() -> int:
     ap.add_argument("--limit", type=float, default=240, help="seconds before a stage is stopped")
     ap.add_argument("--inner", choices=("variants", "profile"), help=argparse.SUPPRESS)  # a stage's process
     args = ap.parse_args()
+    args.out = args.out.resolve()   # the stages run in the repository's root
     if args.inner:
         args.out.mkdir(parents=True, exist_ok=True)
         if args.inner == "variants":
@@ -256,6 +263,10 @@ def main() -> int:
     for stage in set(only) & set(CONFIGS):
         if (runs / stage).exists():   # train.py would resume it: a measurement of nothing
             fail(f"--runs: {runs / stage} exists (a run of an earlier call); remove it or give another --runs")
+    if "nash-mhc" not in only and {"resume", "sample"} & set(only) \
+            and not (runs / "nash-mhc" / f"ckpt_{args.steps:08d}.pt").is_file():
+        fail(f"--only resume/sample without nash-mhc: no {runs / 'nash-mhc'}/ckpt_{args.steps:08d}.pt "
+             "(an earlier call's nash-mhc run with the same --steps and --runs)")
     if "variants" in only:
         from bench.model import split_variant
         try:
@@ -285,6 +296,8 @@ def main() -> int:
             run_dir = runs / stage
             r = run_stage(stage, train_cmd(CONFIGS[stage], data, run_dir, args.steps, args.batch), args.out, args.limit)
             r["metrics"] = summarise(run_dir, r["start"])
+        elif stage in ("resume", "sample") and results["stages"].get("nash-mhc", {}).get("rc", 0) != 0:
+            r = {"rc": "skipped", "wall_s": 0, "why": "nash-mhc failed in this call"}
         elif stage == "resume":
             run_dir = runs / "nash-mhc"
             r = run_stage(stage, train_cmd(CONFIGS["nash-mhc"], data, run_dir, args.steps + 20, args.batch),
@@ -302,7 +315,7 @@ def main() -> int:
         results["stages"][stage] = r
         (args.out / "gpu.json").write_text(json.dumps(results, indent=1) + "\n")
     print("\n" + table(results), flush=True)
-    return 0 if all(r["rc"] == 0 for r in results["stages"].values()) else 1
+    return 0 if all(r["rc"] == 0 for r in results["stages"].values()) else 1   # a skipped stage too
 
 
 if __name__ == "__main__":

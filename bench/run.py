@@ -475,6 +475,10 @@ def time_train_steps(model_cfgs: dict, batch: int, seq: int, device: str, precis
     backend = TorchBackend(device)
     cfg = Config()
     cfg.training.compile = compile
+    # each model compiles the blocks' one code object (and lm_loss) again, as does each earlier
+    # call in this process (bench/run.py: 4 variants x 3 lengths): past Dynamo's default limit of 8
+    # graphs, which with fullgraph is an error, not a fallback to eager
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
     amp = backend.autocast_dtype(precision)
     on_cuda = backend.device.type == "cuda"
     sync = torch.cuda.synchronize if on_cuda else None

@@ -2,6 +2,7 @@
 crossover length), the GPU step timer run on the CPU, and the command itself in --quick mode."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -343,13 +344,15 @@ def test_variants_take_model_settings_and_bad_ones_name_the_option():
     (["--steps", "5"], "--steps must be at least 20"),
     (["--only", "variants", "--variants", "baseline,nash-mhc+bogus=1"], "'bogus=1' is not field=value"),
     (["--only", "baseline"], "runs/baseline exists"),
+    (["--only", "resume"], "without nash-mhc: no "),
     ([], "no CUDA GPU here"),                     # CI has none: every other check comes first
 ])
 def test_bench_gpu_bad_arguments_are_one_line_errors(tmp_path, stdlib_data, args, message):
     (tmp_path / "out" / "runs" / "baseline").mkdir(parents=True)   # an earlier call's run: never resumed
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu.py"), "--data", str(stdlib_data),
                         "--out", str(tmp_path / "out"), "--only", "tests", *args],
-                       cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+                       cwd=ROOT, env={**ENV, "CUDA_VISIBLE_DEVICES": ""},   # no GPU, on a GPU machine too
+                       capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and message in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
     assert not (tmp_path / "out" / "gpu.json").exists()
@@ -376,6 +379,39 @@ def test_bench_gpu_summarises_train_py_lines_after_the_first(tmp_path):
     resumed = gpu.summarise(tmp_path, start=132.0, from_step=20)    # a resumed run's own lines
     assert resumed["first_log_step"] == 30 and resumed["first_log_s"] == 1.0 and resumed["step_ms"] == pytest.approx(300.0)
     assert gpu.summarise(tmp_path, start=0.0, from_step=40) == {}
+
+
+def test_bench_gpu_variants_time_every_named_form_on_cpu(tmp_path, monkeypatch):
+    """The variants stage on the CPU (its GPU path but eager): every name, settings and the
+    eager-loss form included, is built as named and timed; the first is the reference."""
+    from bench import gpu
+    from model import lm_loss
+
+    small = gpu.small_gpu_configs
+    monkeypatch.setattr(gpu, "DEVICE", "cpu")
+    monkeypatch.setattr(gpu, "small_gpu_configs", lambda names, seq: {
+        k: dataclasses.replace(c, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=128)
+        for k, c in small(names, seq).items()})
+    real, seen = gpu.eager_loss, {}
+
+    def spy(name, model):   # on the CPU nothing is compiled: mark the loss as if it were
+        model.loss_fn = None
+        real(name, model)
+        seen[name] = model.loss_fn is lm_loss
+        model.loss_fn = lm_loss
+
+    monkeypatch.setattr(gpu, "eager_loss", spy)
+    names = ["baseline", "nash-mhc/eager-loss", "mhc-only+stream_dtype=bf16"]
+    gpu.variants(tmp_path, batch=1, names=names, seq=32)
+    res = json.loads((tmp_path / "variants.json").read_text())
+    assert list(res["models"]) == names
+    assert seen == {"baseline": False, "nash-mhc/eager-loss": True, "mhc-only+stream_dtype=bf16": False}
+    assert res["models"]["baseline"]["x_baseline"] == 1.0
+    assert all(r["step_s"] > 0 for r in res["models"].values())
+    cfgs = small(names, 32)
+    assert (cfgs["baseline"].mhc_streams, cfgs["nash-mhc/eager-loss"].mhc_streams) == (1, 4)
+    assert cfgs["nash-mhc/eager-loss"].nash_scales == 3 and cfgs["mhc-only+stream_dtype=bf16"].nash_scales == 1
+    assert cfgs["mhc-only+stream_dtype=bf16"].stream_dtype == "bf16" and cfgs["baseline"].stream_dtype == "fp32"
 
 
 @pytest.mark.parametrize("name, kind", [       # kernel names from bench/gpu.py's profile on an H100
