@@ -317,15 +317,22 @@ def test_host_group_decisions_are_the_same_everywhere(tmp_path):
 
 
 def _stall(rank, port, out_dir):
-    """Process 1 joins the groups, then never takes part in a collective; process 0 tries two."""
+    """Process 1 joins the groups, then never takes part in a collective; process 0 tries one on
+    each group TorchBackend makes."""
     import os
     import time
     import torch
     import torch.distributed as dist
     from training.backend import TorchBackend
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
+    out = Path(out_dir)
+    (out / f"ready{rank}").touch()   # both imported: the 2 s below start together, not at spawn
+    for _ in range(1200):
+        if (out / f"ready{1 - rank}").exists():
+            break
+        time.sleep(0.05)
     backend = TorchBackend("cpu", timeout_s=2)            # training.dist_timeout_s: 2
-    done = Path(out_dir) / "0.json"
+    done = out / "0.json"
     if rank == 1:
         for _ in range(600):                              # alive (its sockets open) until process 0 is done
             if done.exists():
@@ -334,7 +341,8 @@ def _stall(rank, port, out_dir):
         return
     res = {}
     for name, collective in (("host decision", lambda: backend.host.max([1])),
-                             ("training group", lambda: dist.all_reduce(torch.ones(1)))):
+                             ("training group", lambda: dist.all_reduce(torch.ones(1))),
+                             ("checkpoint group", lambda: dist.all_reduce(torch.ones(1), group=backend.ckpt_group))):
         try:
             collective()
             res[name] = "returned"
@@ -354,7 +362,7 @@ def test_a_process_that_stops_taking_part_fails_the_others_after_dist_timeout_s(
         port = s.getsockname()[1]
     mp.spawn(_stall, args=(port, str(tmp_path)), nprocs=2)
     res = json.loads((tmp_path / "0.json").read_text())
-    assert set(res) == {"host decision", "training group"}
+    assert set(res) == {"host decision", "training group", "checkpoint group"}
     for name, said in res.items():
         assert "timed out" in said.lower() or "timeout" in said.lower(), (name, said)
 

@@ -76,7 +76,7 @@ class TrainingConfig:
     seed: int = _help("seed for initialisation, data order and dropout (drawn per step and replica)",
                       default=1337)
     compile: bool = _help("torch.compile each block and the loss (train.py on CUDA): one block graph every "
-                          "layer reuses", default=False)
+                          "layer reuses; model.loss_chunk's chunked loss stays eager", default=False)
     device: str = _help("train.py: auto (cuda, then mps, then cpu), cuda, cuda:N, mps or cpu",
                         default="auto")
     fsdp: bool = _help("train.py under torchrun: shard parameters, gradients and optimizer state "
@@ -87,8 +87,9 @@ class TrainingConfig:
         "skips its update", default=5)
     dist_timeout_s: Optional[float] = _help(
         "seconds a collective between processes may wait before the run fails (torchrun's process "
-        "groups, train_xla.py's host group): longer than any gap between collectives (the compile "
-        "warm-up, a checkpoint write); null: torch's defaults, 10 min with nccl, 30 with gloo",
+        "groups, train_xla.py's host group), also the start's rendezvous: longer than any gap between "
+        "collectives (the compile warm-up, loading or writing a checkpoint); null: torch's defaults, "
+        "10 min with nccl, 30 with gloo",
         default=None)
 
 
