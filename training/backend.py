@@ -257,7 +257,7 @@ def compile_regions(model: nn.Module) -> None:
     reuse its graph: the warm-up is one block's, whatever ``n_layers``. Compiling the whole model
     unrolls every layer into one graph instead (bench/model.py, 4 layers: 17x the baseline's
     warm-up for Nash-MHC, whose block is the larger). The loss (``model.lm_loss``) is a second,
-    small graph: eager, its fp32 copy of the [tokens, vocab] logits, the softmax and their backward
+    small graph (not ``model.loss_chunk``'s chunks, which stay eager): eager, its fp32 copy of the [tokens, vocab] logits, the softmax and their backward
     are separate passes over the step's largest activation, which inductor fuses (bench/gpu.py
     variants on an H100, small_gpu's shape, batch 16 x 1024: the baseline's step 44.7 -> 36.9 ms,
     Nash-MHC's 97.3 -> 88.1 ms). Only
