@@ -46,6 +46,88 @@ def test_predicted_step_peak_is_the_measured_one(model, streams, checkpointing):
     assert abs(predicted / measured - 1) < 0.2, (predicted, measured)
 
 
+def _saved_by_compiled_forward(cfg) -> int:
+    """Bytes of the distinct storages autograd saves for the backward in a real CPU forward of
+    ``cfg``'s model with train.py's ``compile_regions`` (inductor on the CPU: the blocks and the
+    loss compiled, the rest eager), under bf16 autocast; the parameters, buffers and the batch,
+    which exist anyway, left out. ``saved_tensors_hooks`` see what AOTAutograd's compiled function
+    saves (``ctx.save_for_backward`` of the forward graph's saved outputs), as they see eager ops'."""
+    from training.backend import compile_regions
+    torch.manual_seed(0)
+    model = NashMHC(cfg.model)
+    compile_regions(model)
+    x = torch.randint(0, cfg.model.vocab_size, (cfg.training.batch_size, cfg.data.seq_len))
+    y = torch.randint(0, cfg.model.vocab_size, x.shape)
+    there = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers(), x, y]}
+
+    def forward():
+        saved, compiled = {}, [0]
+
+        def pack(t):
+            st = t.untyped_storage()
+            if st.data_ptr() not in there:
+                saved[st.data_ptr()] = st.nbytes()
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", torch.bfloat16):
+            out = model(x, y)
+        assert type(out.loss.grad_fn).__name__ == "CompiledFunctionBackward"  # the hooks saw it
+        return out, sum(saved.values())
+    forward()[0].loss.backward()  # the first call compiles; measure a second, as a training step
+    model.zero_grad(set_to_none=True)
+    return forward()[1]
+
+
+@pytest.mark.parametrize("streams", [1, 4])
+def test_compiled_plan_saves_what_inductor_saves(streams):
+    """With training.compile train.py compiles each block and the loss (compile_regions); inductor's
+    partitioner (min-cut rematerialisation) decides what the forward keeps for the backward, far
+    less than eager autograd keeps. The plan (for a GPU: train.py compiles on CUDA only) runs those
+    regions through AOTAutograd and the same partitioner; what it holds for the backward when the
+    backward begins (activations and autocast copies: saved tensors, and a few bytes of loss and
+    stats) is checked against what a real CPU forward compiled by inductor saves. The same
+    partitioner on the same Dynamo graphs makes the same cut: exact for the 1-stream block; the
+    4-stream one is 3.2% over (torch 2.9): a few bf16 casts of the block's weights that the plan
+    holds and inductor does not, and the attention masks, bytes that scale with the weights and
+    not with the batch (at small_gpu's size a fraction of a percent). 5% is allowed. The eager
+    plan of the same config saves much more (the reason for this)."""
+    cfg = small_config(dict(DEMO, n_layers=2, mhc_streams=streams), batch=2, seq=64, precision="bf16",
+                       compile=True)
+    measured = _saved_by_compiled_forward(cfg)
+    device = P.device_for("h100", "torch")
+    layout = P.layout_for(cfg, "torch", 1)
+    assert P.compiles(cfg, layout, device)
+
+    def held_at_backward(c):
+        trace = P.trace_step(c, layout, device)
+        row = int(np.argmax(trace.phases == P.PHASES.index("backward")))
+        kinds = {i for i, (kind, _) in enumerate(trace.columns) if kind in (P.ACT, P.COPIES)}
+        return sum(nbytes for alloc, free, nbytes, col, *_ in trace.records
+                   if col in kinds and alloc <= row < free)
+    planned = held_at_backward(cfg)
+    assert abs(planned / measured - 1) < 0.05, (planned, measured)
+    eager = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, compile=False))
+    assert held_at_backward(eager) > 1.3 * planned
+
+
+def test_eager_plan_is_unchanged_without_compile():
+    """training.compile false (and train.py on the CPU, which never compiles) plans the eager step,
+    op by op as before the compiled regions were modelled: the same trace for a GPU with compile
+    off as for the CPU with it on, no compiled region in it, and the compiled plan of the same
+    config is another (lower) one."""
+    cfg = small_config(dict(DEMO, n_layers=2), batch=2, seq=64, precision="bf16")
+    on = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, compile=True))
+    gpu, cpu = P.device_for("h100", "torch"), P.device_for("cpu", "torch")
+    layout = P.layout_for(cfg, "torch", 1)
+    assert not P.compiles(cfg, layout, gpu) and not P.compiles(on, layout, cpu)
+    assert not P.compiles(on, P.layout_for(on, "xla", 1), P.device_for("v4", "xla"))
+    off_gpu, on_cpu, on_gpu = P.trace_step(cfg, layout, gpu), P.trace_step(on, layout, cpu), P.trace_step(on, layout, gpu)
+    assert off_gpu.ops == on_cpu.ops and np.array_equal(off_gpu.live, on_cpu.live)
+    assert not any("compiled" in w for w in off_gpu.where)
+    assert any("compiled backward" in w for w in on_gpu.where)
+    assert P.peak_of(on_gpu, layout).total < P.peak_of(off_gpu, layout).total
+    assert P.predict_step_peak(cfg, device_kind="h100") == P.peak_of(off_gpu, layout).total
+
+
 def test_xla_prediction_counts_attention_scores_as_the_math_path_makes_them():
     """For TPUs the plan runs attention as ATen's math path (what XLA lowers it to): checked on the
     CPU against a real step on that path, with the tensor-op AdamW the XLA backend uses."""
