@@ -11,7 +11,8 @@ standard library with --vocab-size 32768, 8M tokens: this script measures speed,
 Stages, each a subprocess with its own time limit, in this order (a stage that fails is reported
 and the others still run; the exit code is then 1):
 
-  tests     pytest on the tests that skip without CUDA (SDPA kernels against the math path)
+  tests     pytest on the tests that skip without CUDA (SDPA kernels against the math path; the
+            compiled regions under bf16 against eager bf16)
   nash-mhc  train.py configs/small_gpu.yaml, batch 32 x seq 1024, no accumulation, --steps steps,
             logging every 10, an evaluation and a checkpoint at --steps - 10 and at the end
   baseline  the same with configs/small_gpu_baseline.yaml (1 stream, 1 scale, full attention)
@@ -27,7 +28,7 @@ and the others still run; the exit code is then 1):
 
 Per training stage: the wall time of the process; "first log" is the time from the process's
 start to its first metrics.jsonl line (start-up, data, torch.compile's warm-up and the first
---log-interval steps); the median step time, tokens/s and MFU over the log lines after the first
+10 steps); the median step time, tokens/s and MFU over the log lines after the first
 (train.py's own figures: evaluation and saves are left out of its throughput), the peak memory
 train.py logged, and the last validation loss. Writes OUT/gpu.json after every stage (a run cut
 short keeps what it measured) and each stage's output to OUT/<stage>.log; the runs go to --runs.
