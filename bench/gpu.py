@@ -175,28 +175,15 @@ def kernel_kind(name: str) -> str:
 def profile(out: Path, batch: int, seq: int = 1024, steps: int = 5) -> None:
     """GPU time per training step by kind of kernel, and the top kernels, of nash-mhc and baseline."""
     import torch
-    from model import NashMHC
+    from bench.run import train_step
     from training.backend import TorchBackend
     from training.config import Config
-    from training.optim import build_optimizer
 
     backend = TorchBackend(DEVICE)
     cfg = Config()
     cfg.training.compile = True
     for name, mcfg in small_gpu_configs(("nash-mhc", "baseline"), seq).items():
-        torch.manual_seed(0)
-        raw = NashMHC(mcfg)
-        model = backend.prepare_model(raw, cfg)
-        opt = build_optimizer(raw, cfg.training, backend.adamw_factory())
-        x, y = (torch.randint(0, mcfg.vocab_size, (batch, seq), device=DEVICE) for _ in range(2))
-
-        def step():
-            with backend.autocast(torch.bfloat16):
-                model(x, y).loss.backward()
-            torch.nn.utils.clip_grad_norm_(raw.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
+        step, raw = train_step(backend, cfg, mcfg, batch, seq, backend.autocast_dtype("bf16"))
         for _ in range(3):
             step()
         backend.wait_device()
@@ -220,7 +207,7 @@ def profile(out: Path, batch: int, seq: int = 1024, steps: int = 5) -> None:
         for e in top:
             print(f"| {e.self_device_time_total / steps / 1000:.2f} | {e.count / steps:.0f} | "
                   f"{kernel_kind(e.key)} | {e.key[:110]} |")
-        del model, opt, raw
+        del step, raw
         torch.cuda.empty_cache()
 
 

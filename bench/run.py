@@ -459,6 +459,35 @@ def small_gpu_base() -> tuple[dict, str]:
     return dict(SMALL_GPU), "bench/run.py SMALL_GPU (configs/small_gpu.yaml does not exist)"
 
 
+def train_step(backend, cfg, mcfg, batch: int, seq: int, amp, prepared=None):
+    """One model built and placed as train.py does (``backend.prepare_model``: compiled per
+    ``cfg.training.compile``) and its full training step on one random batch (forward under
+    ``amp`` autocast, backward, clipping, the optimiser's update): (step, the unwrapped model).
+    ``prepared(model)`` may change the model after its placement."""
+    import torch
+    from model import NashMHC
+    from training.optim import build_optimizer
+
+    torch.manual_seed(0)
+    raw = NashMHC(mcfg)
+    model = backend.prepare_model(raw, cfg)
+    if prepared:
+        prepared(raw)
+    opt = build_optimizer(raw, cfg.training, backend.adamw_factory())
+    params = [p for p in raw.parameters() if p.requires_grad]
+    x, y = (torch.randint(0, mcfg.vocab_size, (batch, seq), device=backend.device) for _ in range(2))
+
+    def step():
+        with backend.autocast(amp):
+            loss = model(x, y).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, cfg.training.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step, raw
+
+
 def time_train_steps(model_cfgs: dict, batch: int, seq: int, device: str, precision: str, compile: bool,
                      warmup: int, repeats: int, prepared=None) -> dict:
     """Full training steps (forward, backward, clipping, fused AdamW) of several models, built and
@@ -466,11 +495,11 @@ def time_train_steps(model_cfgs: dict, batch: int, seq: int, device: str, precis
     tokens/s, FLOPs per token, MFU (where the device's peak is known), or the error that stopped it.
     ``prepared(name, model)``, if given, may change each model after train.py's placement (a
     before/after comparison of one of its steps)."""
+    import functools
+
     import torch
-    from model import NashMHC
     from training.backend import TorchBackend
     from training.config import Config
-    from training.optim import build_optimizer
 
     backend = TorchBackend(device)
     cfg = Config()
@@ -485,24 +514,7 @@ def time_train_steps(model_cfgs: dict, batch: int, seq: int, device: str, precis
     peak = backend.peak_flops(precision if amp else "fp32")
     fns, out = {}, {}
     for name, mcfg in model_cfgs.items():
-        torch.manual_seed(0)
-        raw = NashMHC(mcfg)
-        model = backend.prepare_model(raw, cfg)
-        if prepared:
-            prepared(name, raw)
-        opt = build_optimizer(raw, cfg.training, backend.adamw_factory())
-        params = [p for p in raw.parameters() if p.requires_grad]
-        x = torch.randint(0, mcfg.vocab_size, (batch, seq), device=backend.device)
-        y = torch.randint(0, mcfg.vocab_size, (batch, seq), device=backend.device)
-
-        def step(model=model, opt=opt, params=params, x=x, y=y):
-            with backend.autocast(amp):
-                loss = model(x, y).loss
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, cfg.training.grad_clip)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
+        step, raw = train_step(backend, cfg, mcfg, batch, seq, amp, prepared and functools.partial(prepared, name))
         fpt = raw.flops_per_token(seq)
         out[name] = {"params": raw.num_params(), "flops_per_token": fpt}
         try:
@@ -512,7 +524,7 @@ def time_train_steps(model_cfgs: dict, batch: int, seq: int, device: str, precis
                 sync()
         except torch.cuda.OutOfMemoryError:
             out[name]["error"] = f"out of memory at batch {batch} x seq {seq}"
-            del model, opt, raw, step
+            del raw, step
             torch.cuda.empty_cache()
             continue
         fns[name] = step

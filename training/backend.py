@@ -257,10 +257,10 @@ def compile_regions(model: nn.Module) -> None:
     reuse its graph: the warm-up is one block's, whatever ``n_layers``. Compiling the whole model
     unrolls every layer into one graph instead (bench/model.py, 4 layers: 17x the baseline's
     warm-up for Nash-MHC, whose block is the larger). The loss (``model.lm_loss``) is a second,
-    small graph (not ``model.loss_chunk``'s chunks, which stay eager): eager, its fp32 copy of the [tokens, vocab] logits, the softmax and their backward
-    are separate passes over the step's largest activation, which inductor fuses (bench/gpu.py
-    variants on an H100, small_gpu's shape, batch 16 x 1024: the baseline's step 44.7 -> 36.9 ms,
-    Nash-MHC's 97.3 -> 88.1 ms). Only
+    small graph (not ``model.loss_chunk``'s chunks, which stay eager): eager, its fp32 copy of the
+    [tokens, vocab] logits, the softmax and their backward are separate passes over the step's
+    largest activation, which inductor fuses (bench/gpu.py variants on an H100, small_gpu's shape,
+    batch 16 x 1024: the baseline's step 44.7 -> 36.9 ms, Nash-MHC's 97.3 -> 88.1 ms). Only
     ``forward`` is replaced: the modules, their parameter names and any DDP/FSDP hooks stay as they
     are and run eagerly, as do the embedding, the stream collapse and the LM head's product. Static
     shapes: a training run's never change, and a new one (an evaluation batch) compiles its own graph.
