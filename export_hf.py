@@ -84,10 +84,11 @@ def export_tokenizer_files(spec: TokenizerSpec, max_seq_len: int) -> dict[str, b
     return files
 
 
-def validation_loss(where: Path, step) -> float | None:
-    """The validation loss logged at ``step`` in the metrics.jsonl of the checkpoint's run
-    directory, if that file is there and has it (a moved checkpoint has none)."""
-    path = where.parent / "metrics.jsonl"
+def validation_loss(where: Path, step, ckpt: dict) -> float | None:
+    """The validation loss logged at ``step`` in the run's metrics.jsonl (in its logging.dir, else
+    beside the checkpoint), if that file is there and has it (a moved checkpoint has none)."""
+    log_dir = ((ckpt.get("config") or {}).get("logging") or {}).get("dir")
+    path = (Path(log_dir).expanduser() if isinstance(log_dir, str) and log_dir else where.parent) / "metrics.jsonl"
     found = None
     try:
         with path.open() as f:
@@ -128,7 +129,7 @@ def model_card(name: str, model, ckpt: dict, where: Path, why_remote: str | None
     attention = ("full causal attention" if cfg.nash_scales == 1 and not cfg.nash_window else
                  f"{cfg.nash_scales} attention scale(s) (compression {cfg.nash_compression}, window "
                  f"{cfg.nash_window or 'none'}, {cfg.aggregation} fusion)")
-    loss = validation_loss(where, step)
+    loss = validation_loss(where, step, ckpt)
     rows_note = f" ({rows - cfg.vocab_size} padding rows past the model's {cfg.vocab_size})" if rows > cfg.vocab_size else ""
     lines = [
         f"# {name}", "",

@@ -439,6 +439,37 @@ def test_metrics_continue_cleanly_after_a_crash_and_a_fresh_start(tmp_path, stdl
     assert len(list(run_dir.glob("metrics.*.jsonl"))) == 1
 
 
+def test_logging_dir_holds_the_logs_across_a_resume_and_the_export_reads_them(tmp_path, stdlib_data):
+    """logging.dir (e.g. a local disk while checkpoint.dir is a gcsfuse bucket, which uploads a
+    file only when it is closed): metrics.jsonl and TensorBoard go there,
+    checkpoint.dir holds only the checkpoints; a resumed run redoes its lines there, and the
+    exported model card still finds the run's validation loss."""
+    import export_hf
+    logs = tmp_path / "local" / "logs"
+    cfg = tiny_config(tmp_path, stdlib_data, **{"training.max_steps": 6, "checkpoint.interval": 3,
+                                                "evaluation.interval": 3, "logging.dir": str(logs),
+                                                "logging.tensorboard": True})
+    assert run(["train.py", str(cfg)]).returncode == 0
+    run_dir = tmp_path / "run"
+    assert sorted(p.name for p in run_dir.iterdir()) == ["ckpt_00000003.pt", "ckpt_00000006.pt"]
+    assert list((logs / "tb").glob("events.out.tfevents.*"))
+    logged = metrics(logs)
+    (run_dir / "ckpt_00000006.pt").unlink()  # as if the run died after step 6 was logged
+    r = run(["train.py", str(cfg)])
+    assert r.returncode == 0 and "resumed from" in r.stderr, r.stderr[-2000:]
+    assert [m["step"] for m in metrics(logs)] == [m["step"] for m in logged]
+    assert not (run_dir / "metrics.jsonl").exists()
+    val = [m["eval_loss"] for m in metrics(logs) if m["step"] == 6 and "eval_loss" in m]
+    assert len(val) == 1
+    assert export_hf.main([str(run_dir), str(tmp_path / "hf")]) == 0
+    assert f"validation loss {val[0]:.4f} at this step" in (tmp_path / "hf" / "README.md").read_text()
+
+
+def test_an_empty_logging_dir_is_one_line(tmp_path, stdlib_data):
+    r = run(["train.py", str(tiny_config(tmp_path, stdlib_data)), "logging.dir= "])
+    assert r.returncode == 2 and "logging.dir is empty" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
 def test_resume_on_other_data_says_so(tmp_path, stdlib_data):
     """A checkpoint records which data it was trained on (meta.json's identity); resuming on other
     data (re-prepared, another corpus) is allowed, and said, since the sample offset then points

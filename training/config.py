@@ -101,7 +101,7 @@ class EvaluationConfig:
 
 @dataclass
 class CheckpointConfig:
-    dir: str = _help("run directory: checkpoints, metrics.jsonl, TensorBoard events", default="runs/demo")
+    dir: str = _help("run directory: checkpoints (and the logs, unless logging.dir is set)", default="runs/demo")
     interval: int = _help("save every this many steps (0: only at the end and on SIGTERM)", default=500)
     keep: int = _help("complete checkpoints kept (oldest deleted first)", default=3)
     resume: str = _help("auto (newest committed checkpoint in dir, if any), none, or a checkpoint "
@@ -128,7 +128,12 @@ class WandbConfig:
 @dataclass
 class LoggingConfig:
     interval: int = _help("log (and sync with the device) every this many steps", default=10)
-    tensorboard: bool = _help("write TensorBoard event files to checkpoint.dir/tb", default=True)
+    dir: Optional[str] = _help(
+        "where the master process writes metrics.jsonl, TensorBoard's tb/, W&B's files and the XLA "
+        "compile metrics (null: checkpoint.dir). Set it to a local directory when checkpoint.dir is "
+        "a gcsfuse bucket: gcsfuse uploads a file when it is closed, so logs there appear only at "
+        "the end of the run", default=None)
+    tensorboard: bool = _help("write TensorBoard event files to tb/ in logging.dir", default=True)
     progress_bar: bool = _help("tqdm progress bar on the master process", default=True)
     peak_flops: Optional[float] = _help(
         "peak FLOP/s of one device for MFU (default: looked up for known GPUs/TPUs)", default=None)
@@ -498,6 +503,8 @@ def check(cfg: Config, path: Any = None) -> None:
         bad(f"checkpoint.keep={cfg.checkpoint.keep} must be at least 1")
     if cfg.logging.interval < 1:
         bad(f"logging.interval={cfg.logging.interval} must be at least 1")
+    if cfg.logging.dir is not None and not cfg.logging.dir.strip():
+        bad("logging.dir is empty: give a directory, or null for checkpoint.dir")
     if cfg.logging.peak_flops is not None and not 0 <= cfg.logging.peak_flops < math.inf:
         bad(f"logging.peak_flops={cfg.logging.peak_flops} must be a positive number of FLOP/s "
             "(null or 0: looked up from the device)")

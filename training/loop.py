@@ -168,6 +168,7 @@ class Trainer:
         t_cfg, d_cfg = cfg.training, cfg.data
         self.meta = check_data(cfg)
         self.run_dir = Path(cfg.checkpoint.dir).expanduser()
+        self.log_dir = Path(cfg.logging.dir).expanduser() if cfg.logging.dir else self.run_dir
         self.log_line = info if backend.is_master else (lambda msg: None)
 
         # -- data sizes and the schedule ---------------------------------------------------------
@@ -244,7 +245,7 @@ class Trainer:
         self.stream.set_position(state.epoch, state.offset)
         self.batches = backend.batches(self.stream)
         self.amp_dtype = backend.autocast_dtype(t_cfg.precision)
-        self.monitor = Monitor(cfg, self.run_dir, backend.is_master, self.max_steps, state.step)
+        self.monitor = Monitor(cfg, self.log_dir, backend.is_master, self.max_steps, state.step)
         self.params = [p for p in raw_model.parameters() if p.requires_grad]
         self.flops_per_token = raw_model.flops_per_token(d_cfg.seq_len)
         self.peak = cfg.logging.peak_flops or backend.peak_flops(cfg.training.precision)
@@ -563,7 +564,7 @@ class Trainer:
                 f"steps in a row (step {state.step}); updates were skipped, so the checkpoint holds "
                 "the last good weights. Lower training.learning_rate, check the data, or use "
                 "precision=fp32.")
-            self.backend.finish(self.run_dir, self.log_line)
+            self.backend.finish(self.log_dir, self.log_line)
             return 3
         self._save_last("signal" if exit_reason == "signal" else "final")
         if exit_reason == "signal":
@@ -572,7 +573,7 @@ class Trainer:
             last = self.last_record
             self.log_line(f"done: {state.step} steps, {state.tokens_seen:,} tokens; final val loss "
                           f"{last['eval_loss']:.4f} (ppl {last['eval_ppl']:.2f})")
-        self.backend.finish(self.run_dir, self.log_line)
+        self.backend.finish(self.log_dir, self.log_line)
         return 0
 
 

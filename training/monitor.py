@@ -130,23 +130,24 @@ def _wandb_run_id(run_dir: Path, start_step: int) -> str:
 
 
 class Monitor:
-    def __init__(self, cfg, run_dir: Path, enabled: bool, total_steps: int, start_step: int):
+    def __init__(self, cfg, log_dir: Path, enabled: bool, total_steps: int, start_step: int):
+        """``log_dir``: logging.dir, or checkpoint.dir when it is null."""
         self.enabled = enabled
-        self.run_dir = Path(run_dir)
+        self.log_dir = Path(log_dir)
         self.bar = None
         self.tb = None
         self.wandb = None
         self.jsonl = None
         if not enabled:
             return
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
         lc = cfg.logging
-        purge_step = _continue_logs(self.run_dir, start_step, lc.tensorboard)
-        self.jsonl = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
+        purge_step = _continue_logs(self.log_dir, start_step, lc.tensorboard)
+        self.jsonl = open(self.log_dir / "metrics.jsonl", "a", buffering=1)
         if lc.tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
-                self.tb = SummaryWriter(str(self.run_dir / "tb"), purge_step=purge_step)
+                self.tb = SummaryWriter(str(self.log_dir / "tb"), purge_step=purge_step)
             except ImportError:
                 info("warning: tensorboard is not installed; logging.tensorboard ignored")
         if lc.wandb.enabled:
@@ -154,9 +155,9 @@ class Monitor:
                 import wandb
                 os.environ.setdefault("WANDB_SILENT", "true")
                 self.wandb = wandb.init(project=lc.wandb.project, entity=lc.wandb.entity,
-                                        name=lc.wandb.run_name or self.run_dir.name, mode=lc.wandb.mode,
-                                        dir=str(self.run_dir), config=cfg.to_dict(),
-                                        id=_wandb_run_id(self.run_dir, start_step), resume="allow")
+                                        name=lc.wandb.run_name or Path(cfg.checkpoint.dir).expanduser().name, mode=lc.wandb.mode,
+                                        dir=str(self.log_dir), config=cfg.to_dict(),
+                                        id=_wandb_run_id(self.log_dir, start_step), resume="allow")
             except ImportError:
                 info("warning: wandb is not installed (pip install wandb); logging.wandb ignored")
             except Exception as e:  # noqa: BLE001  no API key, no network, a bad entity: train on
@@ -200,7 +201,7 @@ class Monitor:
         this process writes them, so it alone would stop while the others waited for it in the
         next collective. The run goes on without them (its next checkpoint save, on the same
         disk, is a decision every process takes together)."""
-        info(f"warning: writing the metrics under {self.run_dir} failed ({e.strerror or e}); "
+        info(f"warning: writing the metrics under {self.log_dir} failed ({e.strerror or e}); "
              "metrics.jsonl and TensorBoard are off for the rest of this run")
         for f in (self.jsonl, self.tb):
             try:
