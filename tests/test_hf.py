@@ -594,6 +594,37 @@ def test_import_refuses_what_the_baseline_cannot_represent(tmp_path, llama_dir, 
     assert not (tmp_path / "x.pt").exists()
 
 
+def test_import_never_runs_code_from_the_directory(tmp_path, llama_dir, capsys, monkeypatch):
+    """A config.json with an auto_map names Python in its directory: transformers offers to import
+    it (a prompt on a terminal). --import and checkpoint.init_from read Llama only, never with
+    remote code: a user answering yes runs nothing, and each case is one line."""
+    import builtins
+
+    from training.checkpoint import CheckpointError
+    from training.hf import load_initial_weights
+
+    monkeypatch.setattr(builtins, "input", lambda *a, **k: "y")  # whoever is asked says yes
+    hf_dir, _ = llama_dir
+    ran = tmp_path / "ran"
+    (hf_dir / "evil.py").write_text(f"open({str(ran)!r}, 'w').write('ran')\n"
+                                    "from transformers import LlamaConfig as EvilConfig\n")
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    for model_type in ("evil", "llama"):
+        (hf_dir / "config.json").write_text(json.dumps(
+            {**cfg, "model_type": model_type, "auto_map": {"AutoConfig": "evil.EvilConfig"}}))
+        if model_type == "evil":
+            assert export("--import", hf_dir, tmp_path / "x.pt") == 2
+            assert "model_type 'evil'; only Llama-architecture" in one_error_line(capsys.readouterr().err)
+            with pytest.raises(CheckpointError, match="model_type 'evil'"):
+                load_initial_weights(hf_dir)
+        else:  # a Llama with an auto_map: imported as Llama, the auto_map ignored
+            assert export("--import", hf_dir, tmp_path / "x.pt") == 0
+        assert not ran.exists()
+    (hf_dir / "config.json").write_text("[1, 2]")
+    assert export("--import", hf_dir, tmp_path / "y.pt") == 2
+    assert "config.json: not a JSON object" in one_error_line(capsys.readouterr().err)
+
+
 LM_EVAL_DOCS = [
     ("import os\nimport", [" sys", " json", " re", " hello"], 0),
     ("def main():\n    return", [" None", " 0", " self", " x"], 1),

@@ -10,6 +10,7 @@ only), Hugging Face checkpoints only from safetensors.
 """
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Callable
@@ -133,13 +134,20 @@ def load_llama(path: str | Path):
     from transformers import AutoConfig, LlamaForCausalLM
     from transformers.utils import logging as hf_logging
 
+    # model_type first, from the JSON: transformers, given a config.json with an auto_map, would
+    # offer to import that directory's Python (a prompt on a terminal); only Llama is read, and
+    # never with remote code
     try:
-        hf_cfg = AutoConfig.from_pretrained(path, local_files_only=True)
-    except Exception as e:  # unknown model_type, remote code, bad JSON
-        raise CheckpointError(f"{path}: config.json does not load ({first_line(e)})") from None
-    if hf_cfg.model_type != "llama":
-        raise CheckpointError(f"{path}: model_type {hf_cfg.model_type!r}; only Llama-architecture "
+        model_type = json.loads((path / "config.json").read_text(encoding="utf-8")).get("model_type")
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError) as e:
+        raise CheckpointError(f"{path}/config.json: not a JSON object ({first_line(e)})") from None
+    if model_type != "llama":
+        raise CheckpointError(f"{path}: model_type {model_type!r}; only Llama-architecture "
                               "checkpoints (model_type 'llama') import")
+    try:
+        hf_cfg = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+    except Exception as e:  # bad values
+        raise CheckpointError(f"{path}: config.json does not load ({first_line(e)})") from None
     cfg = model_config_from_llama(hf_cfg, str(path))
     if not any(path.glob("*.safetensors")):
         raise CheckpointError(f"{path}: no *.safetensors weights (pickled .bin checkpoints are not read)")
@@ -149,7 +157,7 @@ def load_llama(path: str | Path):
     try:
         model, info = LlamaForCausalLM.from_pretrained(
             path, config=hf_cfg, dtype=torch.float32, use_safetensors=True, local_files_only=True,
-            output_loading_info=True)
+            trust_remote_code=False, output_loading_info=True)
     except Exception as e:
         raise CheckpointError(f"{path}: weights do not load ({first_line(e)})") from None
     finally:
