@@ -49,6 +49,7 @@ from training.data import data_change_warning
 from training.hf import (from_llama_state_dict, llama_incompatibility, load_llama, load_training_checkpoint,
                          max_logit_difference, model_from_checkpoint, probe_tokens, to_llama_config,
                          to_llama_state_dict)
+from training.monitor import log_dir_owner
 
 # transformers takes seconds to import: it is imported where it is used, after the input is checked
 
@@ -85,10 +86,16 @@ def export_tokenizer_files(spec: TokenizerSpec, max_seq_len: int) -> dict[str, b
 
 
 def validation_loss(where: Path, step, ckpt: dict) -> float | None:
-    """The validation loss logged at ``step`` in the run's metrics.jsonl (in its logging.dir, else
-    beside the checkpoint), if that file is there and has it (a moved checkpoint has none)."""
+    """The validation loss logged at ``step`` in the run's metrics.jsonl, if that file is there and
+    has it: beside the checkpoint, or in the run's logging.dir when that directory says it holds
+    this run's logs (a relative one is looked up from here; a moved checkpoint has none)."""
     log_dir = ((ckpt.get("config") or {}).get("logging") or {}).get("dir")
-    path = (Path(log_dir).expanduser() if isinstance(log_dir, str) and log_dir else where.parent) / "metrics.jsonl"
+    folder = where.parent
+    if isinstance(log_dir, str) and log_dir:
+        folder = Path(log_dir).expanduser()
+        if log_dir_owner(folder) != str(where.parent.resolve()):
+            return None
+    path = folder / "metrics.jsonl"
     found = None
     try:
         with path.open() as f:

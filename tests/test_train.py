@@ -464,10 +464,25 @@ def test_logging_dir_holds_the_logs_across_a_resume_and_the_export_reads_them(tm
     assert export_hf.main([str(run_dir), str(tmp_path / "hf")]) == 0
     assert f"validation loss {val[0]:.4f} at this step" in (tmp_path / "hf" / "README.md").read_text()
 
+    # another run pointed at these logs is refused at start (a resume there would truncate them),
+    # and the export reads no loss from logs that say they are another run's
+    before = (logs / "metrics.jsonl").read_text()
+    r = run(["train.py", str(cfg), f"checkpoint.dir={tmp_path / 'other'}"])
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert f"logging.dir={logs} holds the logs of the run in {run_dir.resolve()}: give each run" in r.stderr
+    assert (logs / "metrics.jsonl").read_text() == before
+    (logs / "log_owner.json").write_text(json.dumps({"checkpoint_dir": str(tmp_path / "other")}))
+    assert export_hf.main([str(run_dir), str(tmp_path / "hf2")]) == 0
+    assert "validation loss" not in (tmp_path / "hf2" / "README.md").read_text()
 
-def test_an_empty_logging_dir_is_one_line(tmp_path, stdlib_data):
-    r = run(["train.py", str(tiny_config(tmp_path, stdlib_data)), "logging.dir= "])
-    assert r.returncode == 2 and "logging.dir is empty" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+
+@pytest.mark.parametrize("given, says", [(" ", "logging.dir is empty"), ("afile", "cannot write there")])
+def test_a_logging_dir_that_cannot_be_used_is_one_line(tmp_path, stdlib_data, given, says):
+    (tmp_path / "afile").write_text("")
+    path = str(tmp_path / given) if given.strip() else given
+    r = run(["train.py", str(tiny_config(tmp_path, stdlib_data)), f"logging.dir={path}"])
+    assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert not list((tmp_path / "run").glob("ckpt_*")) and (tmp_path / "afile").read_text() == ""
 
 
 def test_resume_on_other_data_says_so(tmp_path, stdlib_data):

@@ -29,7 +29,7 @@ from .checkpoint import FORMAT_VERSION, Checkpointer, CheckpointError, rng_state
 from .config import Config, ConfigError, check_data, config_from_dict
 from .data import DataStream, TokenWindows, data_change_warning, data_fingerprint, eval_batches
 from .hf import load_initial_weights
-from .monitor import Monitor, info
+from .monitor import Monitor, claim_log_dir, info
 from .optim import build_optimizer, lr_at, set_lr
 
 
@@ -192,6 +192,9 @@ class Trainer:
         self.checkpointer = Checkpointer(self.run_dir, cfg.checkpoint.keep, backend, self.log_line,
                                          async_save=cfg.checkpoint.async_)
         resumed = self.checkpointer.find(cfg.checkpoint.resume)
+        if cfg.logging.dir:  # the master's to write: its verdict is everyone's
+            error = claim_log_dir(self.log_dir, self.run_dir) if backend.is_master else None
+            backend.host.raise_together(ConfigError(error) if error else None, ConfigError)
         if resumed is None and cfg.checkpoint.init_from:
             error = None
             try:

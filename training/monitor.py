@@ -116,6 +116,40 @@ def _continue_logs(run_dir: Path, start_step: int, tensorboard: bool) -> int | N
     return start_step + 1 if tensorboard else None
 
 
+LOG_OWNER = "log_owner.json"
+
+
+def log_dir_owner(log_dir: Path) -> str | None:
+    """The run (its resolved checkpoint.dir) whose logs a ``logging.dir`` holds, from its
+    ``log_owner.json``; None if there is none (or it is unreadable)."""
+    try:
+        owner = json.loads((Path(log_dir) / LOG_OWNER).read_text()).get("checkpoint_dir")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return owner if isinstance(owner, str) else None
+
+
+def claim_log_dir(log_dir: Path, run_dir: Path) -> str | None:
+    """Make ``logging.dir`` this run's (the master, at start): create it and record the run in
+    ``log_owner.json``. A resumed run truncates metrics.jsonl there and a run from step 0 sets it
+    aside, so a directory that holds another run's logs is refused, as is one that cannot be
+    written. Returns the one-line reason, or None."""
+    owner, log_dir = str(Path(run_dir).resolve()), Path(log_dir)
+    try:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        other = log_dir_owner(log_dir)
+        if other is None and (log_dir / "metrics.jsonl").exists():
+            other = "another checkpoint.dir"
+        if other is not None and other != owner:
+            return (f"logging.dir={log_dir} holds the logs of the run in {other}: give each run a "
+                    f"logging.dir of its own (or, if this run's checkpoint.dir moved, remove {LOG_OWNER} there)")
+        if other is None:
+            atomic_write_text(json.dumps({"checkpoint_dir": owner}) + "\n", log_dir / LOG_OWNER)
+    except OSError as e:
+        return f"logging.dir={log_dir}: cannot write there ({first_line(e)})"
+    return None
+
+
 def _wandb_run_id(run_dir: Path, start_step: int) -> str:
     """The W&B run this run logs to: a resumed run continues the one its directory started (its
     id is kept in ``wandb_run_id``); a run from step 0 starts a new one."""
