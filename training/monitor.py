@@ -135,6 +135,8 @@ def claim_log_dir(log_dir: Path, run_dir: Path) -> str | None:
     aside, so a directory that holds another run's logs is refused, as is one that cannot be
     written. Returns the one-line reason, or None."""
     owner, log_dir = str(Path(run_dir).resolve()), Path(log_dir)
+    if log_dir.resolve() == Path(owner):
+        return None  # checkpoint.dir itself, whose checks are the checkpointer's
     try:
         log_dir.mkdir(parents=True, exist_ok=True)
         other = log_dir_owner(log_dir)
