@@ -66,16 +66,42 @@ class ExportError(Exception):
     """Bad input: reported as one line, no traceback."""
 
 
+# tokenizers' post-processors that add special tokens around every encoding (a BOS, a CLS)
+ADDING_POST_PROCESSORS = ("TemplateProcessing", "BertProcessing", "RobertaProcessing")
+
+
+def _without_added_tokens(post):
+    """A tokenizer.json ``post_processor`` without the parts that add special tokens (None if
+    nothing is left)."""
+    if not isinstance(post, dict) or post.get("type") in ADDING_POST_PROCESSORS:
+        return None
+    if post.get("type") == "Sequence":
+        kept = [q for q in map(_without_added_tokens, post.get("processors") or []) if q is not None]
+        return {**post, "processors": kept} if kept else None
+    return post
+
+
 def export_tokenizer_files(spec: TokenizerSpec, max_seq_len: int) -> dict[str, bytes]:
-    """The data's tokenizer files for an export, its tokenizer_config.json set for the model: padding
-    on the left (generate() appends to every row's end, so right padding would put pad tokens in
-    the middle of a row), model_max_length = the model's max_seq_len (truncation=True then cuts
-    where the model stops; the default is no limit), and a tokenizer without a pad token (an
+    """The data's tokenizer files for an export, encoding as training did (prepare_data.py and
+    sample.py add no special tokens: an imported tokenizer's template, a Llama-3 BOS say, is left
+    out of tokenizer.json and add_bos_token/add_eos_token are off), its tokenizer_config.json set
+    for the model: padding on the left (generate() appends to every row's end, so right padding
+    would put pad tokens in the middle of a row) and truncation on the left too (sample.py keeps a
+    long prompt's last tokens), model_max_length = the model's max_seq_len (truncation=True then
+    cuts where the model stops; the default is no limit), and a tokenizer without a pad token (an
     imported one, e.g. Llama's) padding with its end-of-text token, as the exported generation
     config does: without one, ``tokenizer(texts, padding=True)`` is an error."""
     files = dict(spec.hf_files)
+    tok = json.loads(spec.json_text)
+    post = _without_added_tokens(tok.get("post_processor"))
+    if post != tok.get("post_processor"):
+        tok["post_processor"] = post
+        files["tokenizer.json"] = json.dumps(tok, ensure_ascii=False, indent=2).encode()
+    else:
+        files["tokenizer.json"] = spec.json_text.encode()
     config = json.loads(files["tokenizer_config.json"])
-    config.update(padding_side="left", model_max_length=max_seq_len)
+    config.update(padding_side="left", truncation_side="left", model_max_length=max_seq_len,
+                  add_bos_token=False, add_eos_token=False)
     if spec.pad is None and not config.get("pad_token"):
         config["pad_token"] = spec.eos
         specials = json.loads(files.get("special_tokens_map.json", b"null"))
@@ -323,7 +349,6 @@ def export(args) -> str:
     try:
         hf.save_pretrained(staging, max_shard_size=args.max_shard_size)
         del hf
-        shutil.copyfile(tok_dir / "tokenizer.json", staging / "tokenizer.json")
         for name, data in export_tokenizer_files(spec, model.config.max_seq_len).items():
             (staging / name).write_bytes(data)
         (staging / "README.md").write_text(card)

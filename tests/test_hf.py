@@ -383,6 +383,45 @@ def test_a_tokenizer_without_a_pad_token_pads_with_end_of_text(tmp_path, stdlib_
         assert row.tolist() == alone[0, -5:].tolist(), prompt
 
 
+@pytest.mark.parametrize("tokenizer_class", ["PreTrainedTokenizerFast", "LlamaTokenizerFast"])
+def test_an_imported_tokenizer_that_adds_a_bos_encodes_in_the_export_as_in_training(tmp_path, stdlib_data,
+                                                                                   tokenizer_class):
+    """A Llama-style tokenizer adds a BOS by a template (tokenizer.json's post-processor, or
+    add_bos_token for Llama's class); prepare_data.py and sample.py encode without special
+    tokens. The export encodes as they do, long prompts cut on the left as sample.py cuts them,
+    and the template is gone from its tokenizer.json only."""
+    from tokenizers import Tokenizer, processors
+    from transformers import AutoTokenizer
+
+    import prepare_data
+
+    (tmp_path / "tok").mkdir()
+    tok = Tokenizer.from_file(str(stdlib_data / "tokenizer.json"))
+    tok.post_processor = processors.Sequence([
+        processors.ByteLevel(trim_offsets=False),
+        processors.TemplateProcessing(single="<|endoftext|> $A", pair="<|endoftext|> $A <|endoftext|> $B:1",
+                                      special_tokens=[("<|endoftext|>", tok.token_to_id("<|endoftext|>"))])])
+    tok.save(str(tmp_path / "tok" / "tokenizer.json"))
+    (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": tokenizer_class, "bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>",
+         "add_bos_token": True}))
+    text = "def main():\n    return 0\n"
+    assert tok.encode(text).ids[0] == 0  # the template adds the BOS
+    make_run(tmp_path / "run", stdlib_data, **BASELINE)
+    assert export(tmp_path / "run", tmp_path / "hf", "--tokenizer", tmp_path / "tok") == 0
+    spec = prepare_data.TokenizerSpec.load(str(tmp_path / "tok"))
+    hf_tok = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    trained = spec.tokenizer.encode(text, add_special_tokens=False).ids
+    assert hf_tok(text)["input_ids"] == trained and trained[0] != 0
+    long = text * 20
+    assert hf_tok(long, truncation=True)["input_ids"] == spec.tokenizer.encode(long, add_special_tokens=False).ids[-64:]
+    exported = json.loads((tmp_path / "hf" / "tokenizer.json").read_text())
+    assert exported["post_processor"] == {"type": "Sequence", "processors": [
+        json.loads(tok.to_str())["post_processor"]["processors"][0]]}
+    assert {k: v for k, v in exported.items() if k != "post_processor"} == \
+        {k: v for k, v in json.loads(tok.to_str()).items() if k != "post_processor"}
+
+
 def test_refusals_are_one_line_and_touch_nothing(tmp_path, stdlib_data, capsys, monkeypatch):
     make_run(tmp_path / "run", stdlib_data, **BASELINE)
     good = tmp_path / "run" / "ckpt_00000007.pt"
