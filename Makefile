@@ -14,6 +14,9 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -r requirements-dev.txt
+	# torch_xla 2.9's wheel holds a copy of torchax (0.0.6's code, which imports flax) in the same
+	# directory as the torchax package: installed after it, torchax 0.0.7's files are the ones left
+	$(BIN)/pip install --quiet --no-deps --force-reinstall torchax==0.0.7
 	touch $@
 
 # Prepare the local Python standard library as a corpus, train the demo model with the XLA

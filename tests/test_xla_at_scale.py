@@ -310,10 +310,13 @@ def test_spmd_graph_count_is_fixed(tmp_path, stdlib_data):
 @pytest.mark.xla
 @pytest.mark.slow
 def test_spmd_scan_matches_the_unrolled_blocks(tmp_path, stdlib_data):
-    """torch_xla's scan shards its backward with JAX in SPMD: where JAX is installed, a scanned
-    run on a 2 x 2 mesh has the one-device unrolled run's losses."""
-    pytest.importorskip("jax")
-    pytest.importorskip("torchax")
+    """torch_xla's scan shards its backward with JAX in SPMD: a scanned run on a 2 x 2 mesh has the
+    one-device unrolled run's losses. `make setup` installs JAX and torchax for it: not a skip
+    (torch_xla's own torchax files, which import flax, once made it skip unseen)."""
+    # asked in a process of its own: torchax, once imported, registers a device module in this one
+    usable = script_report("from training.xla_backend import jax_usable\n"
+                           "import json; print('REPORT', json.dumps(jax_usable()))", env=ENV)
+    assert usable, "jax or torchax does not import: run make setup (see the Makefile's torchax step)"
     mesh = ["xla.mode=spmd", "xla.mesh.data=2", "xla.mesh.tp=2", "xla.scan_layers=true"]
     spmd, _ = _train(tmp_path, "spmd", stdlib_data, env=SPMD, args=mesh)
     one, _ = _train(tmp_path, "one", stdlib_data)

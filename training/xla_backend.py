@@ -166,7 +166,8 @@ def jax_usable() -> bool:
     """Whether torch_xla can call into JAX here (jax and torchax import). torch_xla's scan needs
     it in SPMD: 2.9 shards the scan's backward like its forward with jax's shard_alike
     (``scan.py``, through ``xb.call_jax``). A package that is found but does not import (a
-    torchax build that wants flax) counts as absent, as torch_xla itself counts it."""
+    torchax build that wants flax: torch_xla 2.9's own copy) counts as absent, as torch_xla itself
+    counts it."""
     from torch_xla._internal.jax_workarounds import maybe_get_jax, maybe_get_torchax
     return maybe_get_jax(log=False) is not None and maybe_get_torchax() is not None
 
@@ -176,7 +177,8 @@ def scan_problem(cfg) -> str:
     if not cfg.xla.scan_layers or jax_usable():
         return ""
     return ("xla.scan_layers=true in xla.mode=spmd needs JAX and torchax (torch_xla's scan shards "
-            "its backward with jax): pip install 'torch_xla[pallas]==2.9.0' torchax==0.0.7, or set "
+            "its backward with jax): pip install 'torch_xla[pallas]==2.9.0', then pip install --no-deps "
+            "--force-reinstall torchax==0.0.7, or set "
             "xla.scan_layers=false")
 
 
