@@ -244,6 +244,9 @@ def find_files(inputs: list[str], globs: list[str], excludes: list[str],
                     target = os.path.realpath(os.path.join(dirpath, d))
                     if _matches(prefix + d, excludes) or target == str(out):
                         continue
+                    if out is not None and os.path.dirname(target) == str(out.parent) and \
+                            re.fullmatch(rf"\.{re.escape(out.name)}\.(partial|old)-\d+-[0-9a-f]+", os.path.basename(target)):
+                        continue  # what a killed run of this output left beside it (install())
                     if os.path.islink(os.path.join(dirpath, d)) and \
                             (target == real_root or target.startswith(real_root + os.sep)):
                         continue
@@ -664,6 +667,15 @@ def check_out(out: Path, given: str, overwrite: bool) -> None:
         if not (name in ours or re.fullmatch(r"(train|val)_\d{5,}\.npy", name)):
             raise DataError(f"--out {given}: holds {name!r}, which {PROG} does not write; "
                             f"refusing to replace the directory")
+    # names alone would pass a tokenizer that save_pretrained wrote, or a lone shard: an output of
+    # this script is installed whole, its meta.json saying so
+    try:
+        made_by = json.loads((out / "meta.json").read_text()).get("created_by")
+    except (OSError, ValueError, AttributeError):
+        made_by = None
+    if made_by != PROG:
+        raise DataError(f"--out {given}: has no meta.json written by {PROG}, so it is not an earlier "
+                        f"output; refusing to replace the directory")
 
 
 def _fsync_dir(path: Path) -> None:

@@ -705,9 +705,16 @@ def test_killed_run_leaves_nothing_that_looks_complete(stdlib_data, tmp_path, si
 
 
 def test_output_inside_an_input_directory_is_not_read(tmp_path):
+    """Nor what a killed run left beside it: its hidden staging directory, or the earlier output
+    set aside while the new one was installed."""
     src = write_docs(tmp_path / "src", {"a.txt": "alpha text", "b.txt": "beta text"})
     for _ in range(2):  # the second run would otherwise read the first one's shards and meta.json
         assert run("--input", src, "--vocab-size", 300, "--out", src / "data", "--overwrite") == 0
+    assert all_documents(src / "data") == Counter(["alpha text", "beta text"])
+    for leftover in (".data.partial-999-deadbeef", ".data.old-999-0123abcd"):
+        shutil.copytree(src / "data", src / leftover)
+        (src / leftover / "notes.txt").write_text("not a document")
+    assert run("--input", src, "--vocab-size", 300, "--out", src / "data", "--overwrite") == 0
     assert all_documents(src / "data") == Counter(["alpha text", "beta text"])
 
 
@@ -728,6 +735,11 @@ def _bad_cases(tmp: Path) -> dict:
     foreign = write_docs(tmp / "foreign", {"notes.md": "mine", "meta.json": "{}"})
     # named like a shard, but not one prepare_data.py writes: a user's file, not to be replaced
     lookalike = write_docs(tmp / "lookalike", {"train_00000.npy": "", "train_backup.npy": "mine", "meta.json": "{}"})
+    # every name one this script writes, but not its output: what save_pretrained writes, a lone shard
+    tokenizer_only = write_docs(tmp / "tokenizer_only", {name: (old / name).read_bytes() for name in
+                                                          ("tokenizer.json", "tokenizer_config.json",
+                                                           "special_tokens_map.json")})
+    lone_shard = write_docs(tmp / "lone_shard", {"train_00000.npy": (old / "train_00000.npy").read_bytes()})
     infinite = tmp / "infinite"  # json reads Infinity as a float: int() of it raised OverflowError
     shutil.copytree(old, infinite)
     (infinite / "meta.json").write_text(json.dumps({**meta_of(old), "vocab_size": float("inf")}))
@@ -754,6 +766,10 @@ def _bad_cases(tmp: Path) -> dict:
         "overwrite a foreign directory": (["--input", ok, "--out", foreign, "--overwrite"], "notes.md", foreign),
         "overwrite a shard look-alike": (["--input", ok, "--out", lookalike, "--overwrite"], "train_backup.npy",
                                          lookalike),
+        "overwrite a tokenizer directory": (["--input", ok, "--out", tokenizer_only, "--overwrite"],
+                                            "has no meta.json written by prepare_data.py", tokenizer_only),
+        "overwrite a lone shard": (["--input", ok, "--out", lone_shard, "--overwrite"],
+                                   "has no meta.json written by prepare_data.py", lone_shard),
         "missing tokenizer": (["--input", ok, "--tokenizer", tmp / "nope", "--out", tmp / "o"],
                               str(tmp / "nope"), None),
         "not a tokenizer": (["--input", ok, "--tokenizer", tmp / "notatokenizer.json", "--out", tmp / "o"],

@@ -206,6 +206,11 @@ def test_config_data_checks(tmp_path, stdlib_data):
     cfg = load_config(p, [f"data.dir={stdlib_data}", "model.vocab_size=100"])
     with pytest.raises(ConfigError, match="model.vocab_size=100 is smaller than the data's vocabulary"):
         check_data(cfg)
+    # a meta.json that cannot be read (an I/O error; another user's file): one line, not a traceback
+    (tmp_path / "eio").mkdir()
+    (tmp_path / "eio" / "meta.json").symlink_to("/proc/self/mem")
+    with pytest.raises(ConfigError, match=f"data.dir: cannot read {tmp_path / 'eio' / 'meta.json'} "):
+        check_data(load_config(p, [f"data.dir={tmp_path / 'eio'}"]))
 
 
 @pytest.mark.parametrize("edit, match", [

@@ -571,6 +571,8 @@ def check_data(cfg: Config) -> dict:
         splits = meta["splits"]
     except (ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"{meta_path}: unreadable meta.json ({e})") from None
+    except OSError as e:  # permissions, a network mount's I/O error
+        raise ConfigError(f"data.dir: cannot read {meta_path} ({e.strerror or e})") from None
     # each key of the wrong type by name (an edited or foreign file): not a TypeError from below
     if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1:
         raise ConfigError(f"{meta_path}: vocab_size is {vocab!r}, not a number of tokens")
