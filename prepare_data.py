@@ -697,13 +697,13 @@ def install(staging: Path, out: Path, overwrite: bool, recheck: Callable[[], Non
     old = None
     if overwrite:
         recheck()
-        if out.is_dir() and any(out.iterdir()):
+    try:  # the set-aside inside: an interrupt right after it still puts the old output back
+        if overwrite and out.is_dir() and any(out.iterdir()):
             old = out.with_name(f".{out.name}.old-{os.getpid()}-{secrets.token_hex(4)}")
             os.rename(out, old)
-    try:
         os.rename(staging, out)
     except BaseException as e:
-        if old is not None:
+        if old is not None and old.exists():
             os.rename(old, out)
         if isinstance(e, OSError) and e.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
             found = "a non-empty directory" if out.is_dir() else "a file"
