@@ -409,13 +409,45 @@ def test_a_checkpoint_dir_the_hosts_do_not_share_is_refused_by_all(tmp_path, sha
     res = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in (0, 1)]
     if shared:
         assert res == [{"found": None}] * 2
-        assert list((tmp_path / "run").iterdir()) == []
+        assert [p.name for p in (tmp_path / "run").iterdir()] == [".lock"]  # the run's, no probe
     else:
         for rank in (0, 1):  # each names the directory it was given
             assert res[rank]["error"] == (
                 f"checkpoint.dir={dirs[rank]}: process(es) 1 do not see the files process 0 writes there: "
                 "put it on storage every host mounts (a shared filesystem or a gcsfuse bucket), at the same path")
         assert list((tmp_path / "host0").iterdir()) == [] and not (tmp_path / "host1").exists()
+
+
+def test_a_second_run_on_a_checkpoint_dir_in_use_is_refused_and_touches_nothing(tmp_path, stdlib_data):
+    """Launched twice, or requeued while the old job still runs: the second run's start deleted
+    the first one's save in progress as unfinished. The master of a run holds a lock on the
+    directory while it lives: another run is one line, exit 2, every file left as it was; once
+    the first is gone the run resumes."""
+    cfg = tiny_config(tmp_path, stdlib_data, **{"training.max_steps": 3, "checkpoint.interval": 3})
+    assert run(["train.py", str(cfg)]).returncode == 0
+    run_dir = tmp_path / "run"
+    (run_dir / "ckpt_00000005").mkdir()  # another run's sharded save, still being written
+    (run_dir / "ckpt_00000005" / "__0_0.distcp").write_bytes(b"shard")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, os, sys, time\n"
+         "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)\nfcntl.flock(fd, fcntl.LOCK_EX)\n"
+         "print('locked', flush=True)\ntime.sleep(600)", str(run_dir / ".lock")],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        before = {p.name: (p.stat().st_mtime_ns, p.is_dir()) for p in run_dir.iterdir()}
+        for resume in ("auto", "none"):
+            r = run(["train.py", str(cfg), "training.max_steps=6", f"checkpoint.resume={resume}"])
+            assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+            assert (f"checkpoint.dir={run_dir}: another run is using it (it holds {run_dir / '.lock'})"
+                    in r.stderr), r.stderr[-2000:]
+            assert {p.name: (p.stat().st_mtime_ns, p.is_dir()) for p in run_dir.iterdir()} == before
+            assert (run_dir / "ckpt_00000005" / "__0_0.distcp").read_bytes() == b"shard"
+    finally:
+        holder.kill()
+        holder.wait()
+    r = run(["train.py", str(cfg), "training.max_steps=6"])
+    assert r.returncode == 0 and "resumed from" in r.stderr and "unfinished save" in r.stderr, r.stderr[-2000:]
 
 
 def test_checkpoints_of_which_none_loads_are_refused_not_restarted_over(tmp_path):
@@ -430,7 +462,7 @@ def test_checkpoints_of_which_none_loads_are_refused_not_restarted_over(tmp_path
     with pytest.raises(CheckpointError, match="holds committed checkpoints and none of them loads") as e:
         ckpt.find("auto")
     assert "\n" not in str(e.value)
-    assert sorted(p.name for p in run_dir.iterdir()) == ["ckpt_00000004.pt", "ckpt_00000008.pt"]
+    assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "ckpt_00000004.pt", "ckpt_00000008.pt"]
 
 
 def test_a_checkpoint_one_process_cannot_load_is_refused_by_both(tmp_path):
@@ -444,7 +476,7 @@ def test_a_checkpoint_one_process_cannot_load_is_refused_by_both(tmp_path):
     res = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in (0, 1)]
     assert res[0]["error"].startswith(f"{tmp_path / 'run'}: the processes see different checkpoints to resume from")
     assert res[1]["error"].startswith(f"{tmp_path / 'run'}: the processes see different checkpoints to resume from")
-    assert [p.name for p in (tmp_path / "run").iterdir()] == ["ckpt_00000003.pt"]
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [".lock", "ckpt_00000003.pt"]
 
 
 @pytest.mark.skipif(not Path("/proc/self/smaps_rollup").exists(), reason="Linux /proc memory accounting")
@@ -478,4 +510,4 @@ def test_a_checkpoint_dir_one_process_cannot_write_is_refused_by_all_for_sharded
                 f"shards of a sharded checkpoint: [Errno 30] Read-only file system: '{run_dir}/.shared-probe-")
         assert all(r["error"].startswith(want) and r["error"].endswith("-1'") for r in res), res
         assert res[0] == res[1]
-    assert list((tmp_path / "run").iterdir()) == []  # no probe left behind
+    assert [p.name for p in (tmp_path / "run").iterdir()] == ([".lock"] if fmt == "file" else [])  # no probe

@@ -451,7 +451,7 @@ def test_logging_dir_holds_the_logs_across_a_resume_and_the_export_reads_them(tm
                                                 "logging.tensorboard": True})
     assert run(["train.py", str(cfg)]).returncode == 0
     run_dir = tmp_path / "run"
-    assert sorted(p.name for p in run_dir.iterdir()) == ["ckpt_00000003.pt", "ckpt_00000006.pt"]
+    assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "ckpt_00000003.pt", "ckpt_00000006.pt"]
     assert list((logs / "tb").glob("events.out.tfevents.*"))
     logged = metrics(logs)
     (run_dir / "ckpt_00000006.pt").unlink()  # as if the run died after step 6 was logged

@@ -34,6 +34,7 @@ DCP's own metadata classes (``read_dcp_metadata``); the marker is JSON.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import io
 import json
 import os
@@ -455,6 +456,10 @@ def clean_uncommitted(run_dir: str | Path) -> list[Path]:
 
 # -- the object the training loop calls -----------------------------------------------------------
 
+# checkpoint.dir (real path) -> the descriptor of its .lock, held by this process until it ends
+_RUN_LOCKS: dict[str, int] = {}
+
+
 class Checkpointer:
     """What the loop calls for checkpoints: ``find`` (the resume point), ``restore``, ``save``,
     ``wait`` (for a save being written) and ``rotate``.
@@ -492,6 +497,7 @@ class Checkpointer:
         save writes every process's shards there, the master commits): checked first, with a
         file the master writes and every process reads back."""
         self._check_shared()
+        self._lock_run_dir()
         if self.backend.is_master:
             for p in clean_uncommitted(self.run_dir):
                 self.log(f"removed {p}: an unfinished save")
@@ -539,6 +545,33 @@ class Checkpointer:
                                       "this run directory, and not a checkpoint directory itself")
             return found
         return path, peek_checkpoint(path)
+
+    def _lock_run_dir(self) -> None:
+        """One run at a time in a ``checkpoint.dir``: the master holds an exclusive ``flock`` on its
+        ``.lock`` for as long as its process lives (the kernel lets go when it ends, SIGKILL
+        included). A second run started there meanwhile (launched twice, a requeue while the old
+        job lives) would delete the first one's save in progress as unfinished, and overwrite its
+        checkpoints: it is refused on every process, before anything is touched. A filesystem
+        without locks (gcsfuse) enforces nothing."""
+        error = None
+        if self.backend.is_master:
+            key = os.path.realpath(self.run_dir)
+            if key not in _RUN_LOCKS:  # this process's: taken once, whatever the Checkpointers
+                fd = None
+                try:
+                    fd = os.open(self.run_dir / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    _RUN_LOCKS[key], fd = fd, None
+                except BlockingIOError:
+                    error = CheckpointError(
+                        f"checkpoint.dir={self.run_dir}: another run is using it (it holds "
+                        f"{self.run_dir / '.lock'}); let it end or stop it, or use another checkpoint.dir")
+                except OSError:  # no locks here (ENOLCK, ENOTSUP)
+                    pass
+                finally:
+                    if fd is not None:
+                        os.close(fd)
+        self.backend.host.raise_together(error, CheckpointError)
 
     def _check_shared(self) -> None:
         """Refuse, on every process together, a ``checkpoint.dir`` that some process does not see
@@ -707,8 +740,13 @@ class Checkpointer:
                 raise
         # dcp.save returned: every writer finished and the coordinator (the master) wrote .metadata.
         if self.backend.is_master:
-            atomic_write_json({**marker, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")},
-                              path / MARKER)
+            try:
+                atomic_write_json({**marker, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")},
+                                  path / MARKER)
+            except BaseException:  # a full disk after the shards fit: they go now, as above
+                if not (path / MARKER).exists():  # (once it is there the save is committed)
+                    _delete(path)
+                raise
 
     def wait(self, quiet: bool = False) -> None:
         """Block until the pending save (if any) is written and committed; raise its error
