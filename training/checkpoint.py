@@ -456,8 +456,15 @@ def clean_uncommitted(run_dir: str | Path) -> list[Path]:
 
 # -- the object the training loop calls -----------------------------------------------------------
 
-# checkpoint.dir (real path) -> the descriptor of its .lock, held by this process until it ends
+# checkpoint.dir (real path) -> the descriptor of its .lock, held by this process until the run ends
 _RUN_LOCKS: dict[str, int] = {}
+
+
+def release_run_lock(run_dir: str | Path) -> None:
+    """Let another run use ``run_dir`` (training.loop.train, at the end of a run in this process)."""
+    fd = _RUN_LOCKS.pop(os.path.realpath(Path(run_dir).expanduser()), None)
+    if fd is not None:
+        os.close(fd)
 
 
 class Checkpointer:

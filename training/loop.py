@@ -25,7 +25,7 @@ import torch
 from model import NashMHC
 
 from .backend import Backend
-from .checkpoint import FORMAT_VERSION, Checkpointer, CheckpointError, rng_state, set_rng_state
+from .checkpoint import FORMAT_VERSION, Checkpointer, CheckpointError, release_run_lock, rng_state, set_rng_state
 from .config import Config, ConfigError, check_data, config_from_dict
 from .data import DataStream, TokenWindows, data_change_warning, data_fingerprint, eval_batches
 from .hf import load_initial_weights
@@ -588,6 +588,7 @@ def train(cfg: Config, backend: Backend) -> int:
         return Trainer(cfg, backend).fit()
     finally:
         STOP.restore()
+        release_run_lock(cfg.checkpoint.dir)
 
 
 def _yaml(tree: dict) -> str:
