@@ -244,8 +244,9 @@ def find_files(inputs: list[str], globs: list[str], excludes: list[str],
                     target = os.path.realpath(os.path.join(dirpath, d))
                     if _matches(prefix + d, excludes) or target == str(out):
                         continue
-                    if out is not None and os.path.dirname(target) == str(out.parent) and \
-                            re.fullmatch(rf"\.{re.escape(out.name)}\.(partial|old)-\d+-[0-9a-f]+", os.path.basename(target)):
+                    leftover = rf"\.{re.escape(out.name)}\.(partial|old)-\d+-[0-9a-f]+" if out is not None else None
+                    if leftover and os.path.dirname(target) == str(out.parent) and \
+                            re.fullmatch(leftover, os.path.basename(target)):
                         continue  # what a killed run of this output left beside it (install())
                     if os.path.islink(os.path.join(dirpath, d)) and \
                             (target == real_root or target.startswith(real_root + os.sep)):

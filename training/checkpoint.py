@@ -555,8 +555,8 @@ class Checkpointer:
 
     def _lock_run_dir(self) -> None:
         """One run at a time in a ``checkpoint.dir``: the master holds an exclusive ``flock`` on its
-        ``.lock`` for as long as its process lives (the kernel lets go when it ends, SIGKILL
-        included). A second run started there meanwhile (launched twice, a requeue while the old
+        ``.lock`` until the run ends (``release_run_lock``; the kernel lets go when the process
+        ends, SIGKILL included). A second run started there meanwhile (launched twice, a requeue while the old
         job lives) would delete the first one's save in progress as unfinished, and overwrite its
         checkpoints: it is refused on every process, before anything is touched. A filesystem
         without locks (gcsfuse) enforces nothing."""

@@ -190,8 +190,9 @@ class Monitor:
             try:
                 import wandb
                 os.environ.setdefault("WANDB_SILENT", "true")
+                name = lc.wandb.run_name or Path(cfg.checkpoint.dir).expanduser().name  # the run's name
                 self.wandb = wandb.init(project=lc.wandb.project, entity=lc.wandb.entity,
-                                        name=lc.wandb.run_name or Path(cfg.checkpoint.dir).expanduser().name, mode=lc.wandb.mode,
+                                        name=name, mode=lc.wandb.mode,
                                         dir=str(self.log_dir), config=cfg.to_dict(),
                                         id=_wandb_run_id(self.log_dir, start_step), resume="allow")
             except ImportError:
