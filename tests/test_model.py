@@ -1044,6 +1044,41 @@ def test_torch_compile_of_the_blocks_and_loss_matches_eager(over):
         assert torch.allclose(q.grad, p.grad, rtol=1e-3, atol=1e-6), name
 
 
+@pytest.mark.slow
+def test_compiled_regions_keep_the_fp32_maths_fp32_in_the_backward_under_autocast():
+    """A hyper-connection's coefficients and stream read are fp32 under bf16 autocast
+    (``autocast(enabled=False)``), and so is eager autograd's backward of them: compiled as train.py
+    compiles a region (``compile_region``), the gradients are eager's to fp32 precision. With
+    torch.compile's own default, AOTAutograd traced that backward under the forward's autocast and
+    the coefficient projection's gradients came out of bf16 products (~1e-3 off)."""
+    from model import HyperConnection
+    from training.backend import compile_region
+
+    torch._dynamo.reset()
+    cfg = tiny(d_model=64)
+    hc = HyperConnection(cfg, favoured=0)
+    hc.reset_parameters()
+    with torch.no_grad():   # logits of a few units: every coefficient's gradient is far from 0
+        hc.phi.weight.normal_(0.0, 0.5)
+    h = torch.randn(2, 24, 4, 64, generator=torch.Generator().manual_seed(0))
+    probe = torch.randn(2, 24, 64, generator=torch.Generator().manual_seed(1))
+
+    def loss(read):
+        hh = h.clone().requires_grad_(True)
+        hc.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            x, (post, res) = read(hh)
+            out = (x * probe).sum() + (post.square().sum() + (res * res.flip(-1)).sum()) * 10
+        out.backward()
+        return [hh.grad] + [p.grad for p in hc.parameters()]
+
+    ref = loss(hc.read)
+    got = loss(compile_region(hc.read))
+    for (name, _), g, r in zip([("h", None)] + list(hc.named_parameters()), got, ref):
+        assert g.dtype == r.dtype == torch.float32, name
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6, msg=name)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("n_kv_heads", [4, 2])
 def test_cuda_attention_kernels_match_the_math_path(n_kv_heads):

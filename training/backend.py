@@ -266,8 +266,31 @@ def compile_regions(model: nn.Module) -> None:
     shapes: a training run's never change, and a new one (an evaluation batch) compiles its own graph.
     """
     for block in model.blocks:
-        block.forward = torch.compile(block.forward, fullgraph=True, dynamic=False)
-    model.loss_fn = torch.compile(model.loss_fn, fullgraph=True, dynamic=False)
+        block.forward = compile_region(block.forward)
+    model.loss_fn = compile_region(model.loss_fn)
+
+
+# AOTAutograd traces a compiled region's backward under the autocast state its forward ran in
+# (torch 2.9's ``backward_pass_autocast = "same_as_forward"``). Eager autograd runs the backward of
+# an op in the dtypes its forward used, whatever autocast says then; so under bf16 autocast the
+# products the model keeps in fp32 on purpose (``autocast(enabled=False)``: mHC's coefficient
+# projection, mHC-lite's mixture of permutations) had fp32 backward products in eager PyTorch and
+# bf16 ones in the compiled blocks: the projection's weight gradient rounded to bf16 in every GPU
+# run. "off" is eager's rule, and the default PyTorch itself is moving to (pytorch#153044).
+REGION_CONFIG = {"backward_pass_autocast": "off"}
+
+
+def compile_region(fn: Callable) -> Callable:
+    """``torch.compile(fn)`` (fullgraph, static shapes) whose backward follows eager's dtypes
+    (``REGION_CONFIG``). The setting is read when a call traces a graph, so every call runs under it."""
+    from torch._functorch import config as functorch_config
+
+    compiled = torch.compile(fn, fullgraph=True, dynamic=False)
+
+    def region(*args, **kwargs):
+        with functorch_config.patch(REGION_CONFIG):
+            return compiled(*args, **kwargs)
+    return region
 
 
 def _cpu_flags() -> str:

@@ -669,13 +669,15 @@ def _compile_regions(model, rec: "_Recorder", fake_mode) -> None:
     from torch._inductor.virtualized import V
     from torch.nn.utils.stateless import _reparametrize_module
 
+    from .backend import REGION_CONFIG
+
     def region(fn):
         compiled = aot_function(fn, fw_compiler=boxed_nop, bw_compiler=boxed_nop, partition_fn=partition_fn,
                                 decompositions=select_decomp_table(), keep_inference_input_mutations=True)
         ready = []
 
         def call(label, *args):
-            with V.set_fake_mode(fake_mode), functorch_config.patch(unlift_effect_tokens=True):
+            with V.set_fake_mode(fake_mode), functorch_config.patch(unlift_effect_tokens=True, **REGION_CONFIG):
                 if not ready:
                     with rec.paused():
                         compiled(*args)
