@@ -25,6 +25,13 @@ and the others still run; the exit code is then 1):
   profile   torch.profiler over compiled nash-mhc and baseline training steps: GPU time per step
             by kind of kernel (matrix products, attention, inductor's fused kernels, other) and
             the kernels that take the most (with --code, inductor's source of each in profile.log)
+  attention each SDPA call of small_gpu's Nash attention alone (forward + backward, bf16, batch
+            --variant-batch): the window's chunks, each pooled scale, and full causal attention
+            (the baseline's), as the model makes them and as flex_attention with a block mask of the
+            same visibility (compiled; its backward needs a GPU): what a block-sparse kernel would
+            save. On an H200 the window's flex form took 0.75 ms against the model's 1.80 (eager,
+            alone), yet with it in the compiled blocks the training step did not get faster
+            (README, Benchmarks 8): a call alone is not the step
 
 Per training stage: the wall time of the process; "first log" is the time from the process's
 start to its first metrics.jsonl line (start-up, data, torch.compile's warm-up and the first
@@ -47,7 +54,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script, sys.path[0] is bench/
     sys.path.insert(0, str(ROOT))
-STAGES = ("tests", "nash-mhc", "baseline", "resume", "sample", "variants", "profile")
+STAGES = ("tests", "nash-mhc", "baseline", "resume", "sample", "variants", "profile", "attention")
 DEVICE = "cuda"   # the inner stages' device (tests/test_bench.py runs ``variants`` on "cpu")
 VARIANTS = ("baseline", "nash-mhc", "mhc-only", "nash-only", "baseline-window")
 EAGER_LOSS = "/eager-loss"   # a variant's suffix: the loss left eager (before compile_regions compiled it)
@@ -211,6 +218,104 @@ def profile(out: Path, batch: int, seq: int = 1024, steps: int = 5) -> None:
         torch.cuda.empty_cache()
 
 
+def _cuda_ms(fn, warmup: int = 3, repeats: int = 20) -> float:
+    """Median milliseconds of ``fn()`` on the device (CUDA events; wall time elsewhere)."""
+    import torch
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if DEVICE == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(1000 * (time.perf_counter() - t0))
+    return statistics.median(times)
+
+
+def attention_calls(cfg, batch: int, seq: int, device: str) -> dict:
+    """Nash attention's SDPA calls at ``cfg``'s shape, each as ``(model form, flex form)``: callables
+    of ``(q, k, v)`` for the model's ``local_attention``/``attend`` with its masks, and
+    flex_attention with a block mask of the same visibility (None where flex is not importable)."""
+    import torch
+    from model import NashAttention, attend, attention_masks, local_attention
+
+    masks = attention_masks(cfg, seq, device)
+    W, r = cfg.nash_window, cfg.nash_compression
+    pool = NashAttention(cfg).pool          # the model's pooling (mean, or learned weights at init)
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        flex = torch.compile(flex_attention, fullgraph=True, dynamic=False)
+    except ImportError:
+        flex = create_block_mask = None
+
+    def flex_form(mask_mod, kv_len):
+        if flex is None:
+            return None
+        block = create_block_mask(mask_mod, None, None, seq, kv_len, device=device)
+        return lambda q, k, v: flex(q, k, v, block_mask=block, enable_gqa=q.shape[1] != k.shape[1])
+
+    calls = {"full causal (the baseline's)": (lambda q, k, v: attend(q, k, v),
+                                              flex_form(lambda b, h, t, s: s <= t, seq))}
+    if W:
+        calls[f"scale 0: window {W}"] = (lambda q, k, v: local_attention(q, k, v, W, masks.get("local")),
+                                         flex_form(lambda b, h, t, s: (s <= t) & (t - s < W), seq))
+    for l in range(1, cfg.nash_scales):
+        blk = r ** l
+
+        def seen(b, h, t, j, blk=blk):   # attention_masks' scale l, as a mask_mod
+            return ((j + 1) * blk - 1 <= t) | ((j == 0) & (t < blk - 1))
+        pooled = flex_form(seen, seq // blk)
+        calls[f"scale {l}: {seq // blk} pooled keys"] = (
+            lambda q, k, v, l=l, m=masks[f"scale{l}"]: attend(q, pool(k, l), pool(v, l), m),
+            pooled and (lambda q, k, v, l=l, f=pooled: f(q, pool(k, l), pool(v, l))))
+    return calls
+
+
+def attention(out: Path, batch: int, seq: int = 1024) -> None:
+    """Each of small_gpu's attention calls alone, forward + backward in bf16: the model's form
+    against flex_attention's, with the largest difference of their outputs."""
+    import torch
+
+    (cfg,) = small_gpu_configs(("nash-only",), seq).values()
+    H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    q = torch.randn(batch, H, seq, D, device=DEVICE, dtype=dtype, generator=gen)
+    k, v = (torch.randn(batch, Hkv, seq, D, device=DEVICE, dtype=dtype, generator=gen) for _ in range(2))
+    qkv = [t.requires_grad_(True) for t in (q, k, v)]
+    grad = torch.randn_like(q)
+    rows = []
+    print(f"{DEVICE}, batch {batch} x seq {seq}, {H} heads / {Hkv} kv x {D}, {dtype}; forward + backward, "
+          "median of 20\n| call | model's form ms | flex_attention ms | flex / model | max |diff| |\n|---|---:|---:|---:|---:|")
+    for name, (model_fn, flex_fn) in attention_calls(cfg, batch, seq, DEVICE).items():
+        row = {"call": name}
+        for form, fn in (("model", model_fn), ("flex", flex_fn)):
+            if fn is None:
+                continue
+            try:
+                row[f"{form}_ms"] = _cuda_ms(lambda fn=fn: fn(*qkv).backward(grad))
+                with torch.no_grad():
+                    row[f"{form}_out"] = fn(q.detach(), k.detach(), v.detach()).float()
+            except Exception as e:   # a form this torch cannot run: reported, the others still run
+                row[f"{form}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+        if "model_out" in row and "flex_out" in row:
+            row["max_diff"] = (row["model_out"] - row["flex_out"]).abs().max().item()
+        row.pop("model_out", None), row.pop("flex_out", None)
+        rows.append(row)
+        fmt = lambda key: f"{row[key]:.3f}" if key in row else row.get(key.replace("_ms", "_error"), "-")
+        ratio = f"{row['flex_ms'] / row['model_ms']:.2f}" if "flex_ms" in row and "model_ms" in row else "-"
+        diff = f"{row['max_diff']:.2e}" if "max_diff" in row else "-"
+        print(f"| {name} | {fmt('model_ms')} | {fmt('flex_ms')} | {ratio} | {diff} |", flush=True)
+    (out / "attention.json").write_text(json.dumps({"device": DEVICE, "batch": batch, "seq": seq, "rows": rows}, indent=1) + "\n")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -229,13 +334,15 @@ def main() -> int:
                     help="profile: also write inductor's generated code (TORCH_LOGS=output_code) to "
                          "OUT/profile.log, where the profile's kernels are found by name")
     ap.add_argument("--limit", type=float, default=240, help="seconds before a stage is stopped")
-    ap.add_argument("--inner", choices=("variants", "profile"), help=argparse.SUPPRESS)  # a stage's process
+    ap.add_argument("--inner", choices=("variants", "profile", "attention"), help=argparse.SUPPRESS)  # a stage's process
     args = ap.parse_args()
     args.out = args.out.resolve()   # the stages run in the repository's root
     if args.inner:
         args.out.mkdir(parents=True, exist_ok=True)
         if args.inner == "variants":
             variants(args.out, args.batch, args.variants.split(","))
+        elif args.inner == "attention":
+            attention(args.out, args.batch)
         else:
             profile(args.out, args.batch)
         return 0
@@ -291,7 +398,7 @@ def main() -> int:
             r = run_stage(stage, train_cmd(CONFIGS["nash-mhc"], data, run_dir, args.steps + 20, args.batch),
                           args.out, args.limit)
             r["metrics"] = summarise(run_dir, r["start"], from_step=args.steps)
-        elif stage in ("variants", "profile"):
+        elif stage in ("variants", "profile", "attention"):
             code = {"TORCH_LOGS": "output_code"} if args.code and stage == "profile" else None
             r = run_stage(stage, [sys.executable, "bench/gpu.py", "--data", str(data), "--out", str(args.out),
                                   "--batch", str(args.variant_batch), "--variants", args.variants, "--inner", stage],

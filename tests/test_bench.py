@@ -414,6 +414,28 @@ def test_bench_gpu_variants_time_every_named_form_on_cpu(tmp_path, monkeypatch):
     assert cfgs["mhc-only+stream_dtype=bf16"].stream_dtype == "bf16" and cfgs["baseline"].stream_dtype == "fp32"
 
 
+def test_bench_gpu_attention_times_each_call_against_flex(tmp_path, monkeypatch):
+    """The attention stage on the CPU (fp32): one row per SDPA call of Nash attention (full causal,
+    the window, each pooled scale), the model's form timed; flex_attention's form timed with its
+    outputs equal to the model's, or its error reported (torch 2.9's CPU inductor cannot compile
+    flex_attention's backward) without stopping the others."""
+    from bench import gpu
+
+    small = gpu.small_gpu_configs
+    monkeypatch.setattr(gpu, "DEVICE", "cpu")
+    monkeypatch.setattr(gpu, "small_gpu_configs", lambda names, seq: {
+        k: dataclasses.replace(c, d_model=32, n_heads=2, n_kv_heads=1, nash_window=16, max_seq_len=seq)
+        for k, c in small(names, seq).items()})
+    monkeypatch.setattr(gpu, "_cuda_ms", lambda fn, warmup=3, repeats=20: (fn(), 1.0)[1])
+    gpu.attention(tmp_path, batch=1, seq=64)
+    rows = json.loads((tmp_path / "attention.json").read_text())["rows"]
+    assert [r["call"] for r in rows] == ["full causal (the baseline's)", "scale 0: window 16",
+                                         "scale 1: 16 pooled keys", "scale 2: 4 pooled keys"]
+    for r in rows:
+        assert r["model_ms"] == 1.0 and "model_error" not in r
+        assert ("flex_ms" in r and r["max_diff"] < 1e-5) or "flex_error" in r
+
+
 @pytest.mark.parametrize("name, kind", [       # kernel names from bench/gpu.py's profile on an H100
     ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x64_1x4x1", "attention"),
     ("void cudnn::fusion::compute_dot_do_o_specialized<true, 64>(void const*, void const*)", "attention"),
