@@ -98,7 +98,9 @@ def test_config_unknown_section(tmp_path):
     ("training: {max_steps: 3, precision: fp16}", "training.precision: 'fp16' is not one of"),
     ("training: {max_steps: 3, betas: [0.9]}", "training.betas"),
     ("training: {max_steps: 3, compile: 'yes'}", "training.compile: expected true or false"),
-    ("training: {max_steps: 3, eps: 0}", "training.eps=0.0 must be positive"),
+    ("training: {max_steps: 3, eps: 0}", "training.eps=0.0 must be at least 1e-30"),
+    # positive, but 0 in fp32's update: a gradient entry of exactly 0 made NaN weights
+    ("training: {max_steps: 3, eps: 1.0e-50}", "training.eps=1e-50 must be at least 1e-30"),
     ("training: {max_steps: 3, muon_lr: -0.1}", "training.muon_lr=-0.1 must be positive"),
     ("training: {max_steps: 3, muon_momentum: 1}", "training.muon_momentum=1.0 must be in"),
     ("training: {max_steps: 3}\nlogging: {peak_flops: -1}", "logging.peak_flops=-1.0 must be a positive"),
@@ -520,6 +522,30 @@ def _grads(ps, step):
     g = torch.Generator().manual_seed(100 + step)
     for p in ps:
         p.grad = torch.randn(p.shape, generator=g)
+
+
+def test_loaded_step_follows_this_runs_fused_flag():
+    """A checkpoint of training.optim.AdamW (train_xla.py, MPS; its groups say fused=None) loaded
+    into this run's torch AdamW(fused=True): ``load_state_dict`` leaves ``step`` on the CPU by the
+    saved flag, where the fused kernel on a GPU refuses it; ``keep_hyperparameters`` puts it on the
+    parameter's device (here ``meta`` stands for the GPU), fp32, as torch's rule does for fused."""
+    from training.checkpoint import keep_hyperparameters
+
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.full((3,), 0.5)
+    saved = AdamW([p], lr=1e-3)
+    saved.step()
+    state = saved.state_dict()
+    assert state["param_groups"][0]["fused"] is None and state["state"][0]["step"].device.type == "cpu"
+    q = torch.nn.Parameter(torch.ones(3, device="meta"))
+    mine = torch.optim.AdamW([q], lr=1e-3)
+    mine.param_groups[0]["fused"] = True     # this run's flag (the fused kernel has no meta device)
+    with keep_hyperparameters(mine):
+        mine.load_state_dict(state)
+    step = mine.state[q]["step"]
+    assert mine.param_groups[0]["fused"] is True
+    assert step.device.type == "meta" and step.dtype == torch.float32
+    assert mine.state[q]["exp_avg"].device.type == "meta"
 
 
 def test_adamw_matches_torch_and_shares_its_state_layout():

@@ -838,7 +838,13 @@ def optimizer_state_by_name(model: torch.nn.Module, optimizer: torch.optim.Optim
 def keep_hyperparameters(optimizer: torch.optim.Optimizer):
     """A context for loading optimiser state that keeps this run's hyperparameters and
     implementation flags (``load_state_dict`` restores the saved groups' learning rate, weight
-    decay and ``fused``/``foreach`` flags, which belong to the old config or the other trainer)."""
+    decay and ``fused``/``foreach`` flags, which belong to the old config or the other trainer).
+
+    ``load_state_dict`` also placed each ``step`` by the *saved* group's flags: a checkpoint of
+    ``training.optim.AdamW`` (train_xla.py, MPS; ``fused`` None) left it on the CPU, where this
+    run's ``torch.optim.AdamW(fused=True)`` on a GPU refuses it at the first update ("Expected all
+    tensors to be on the same device"). With this run's flags back, a fused or capturable group's
+    ``step`` goes where torch's own rule puts it: fp32 on its parameter's device."""
     import contextlib
 
     @contextlib.contextmanager
@@ -849,6 +855,11 @@ def keep_hyperparameters(optimizer: torch.optim.Optimizer):
             for k in [k for k in group if k not in mine and k != "params"]:
                 del group[k]
             group.update(mine)
+            if group.get("fused") or group.get("capturable"):
+                for p in group["params"]:
+                    step = optimizer.state.get(p, {}).get("step")
+                    if torch.is_tensor(step) and (step.device != p.device or step.dtype != torch.float32):
+                        optimizer.state[p]["step"] = step.to(p.device, torch.float32)
     return ctx()
 
 

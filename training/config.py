@@ -481,8 +481,10 @@ def check(cfg: Config, path: Any = None) -> None:
         bad(f"training.weight_decay={t.weight_decay} must be >= 0")
     if not all(0 <= b < 1 for b in t.betas):
         bad(f"training.betas={list(t.betas)} must be in [0, 1)")
-    if t.eps <= 0:
-        bad(f"training.eps={t.eps} must be positive (a parameter whose gradient is 0 would get 0/0)")
+    if not t.eps >= 1e-30:
+        # fp32's update adds eps to sqrt(v): one below its range (or flushed as a subnormal, as
+        # TPUs do) is 0 there, and a gradient entry of exactly 0 then gets 0/0 = NaN in the weights
+        bad(f"training.eps={t.eps} must be at least 1e-30 (a parameter whose gradient is 0 would get 0/0)")
     if t.muon_lr <= 0:
         bad(f"training.muon_lr={t.muon_lr} must be positive")
     if not 0 <= t.muon_momentum < 1:
