@@ -36,8 +36,9 @@ def lr_at(step: float, max_steps: float, peak: float, warmup: int, min_ratio: fl
 def split_params(model: nn.Module) -> tuple[list, list, list]:
     """(matrices, embeddings_and_head, vectors) among trainable parameters, each tied tensor once.
 
-    Matrices (2-D weights inside the blocks) get weight decay (and Muon); embeddings, the LM head,
-    norms, biases, mHC gates and static biases and other scalars get none.
+    Matrices (every other 2-D weight: the blocks' and the stream collapse's projection) get weight
+    decay (and Muon); embeddings, the LM head, norms, biases, mHC gates and static biases and other
+    scalars get none.
     """
     embed_ids = set()
     for module in model.modules():
