@@ -94,6 +94,32 @@ def test_both_forms_save_and_load_the_same_dict(tmp_path, sharded, async_save):
     assert all(g["lr"] == 0.123 for g in opt2.param_groups)
 
 
+@pytest.mark.parametrize("sharded", [False, True])
+@pytest.mark.parametrize("part, bad", [("torch", "short"), ("numpy", "short"), ("python", "short")])
+def test_a_malformed_rng_state_is_refused_when_peeked_naming_the_checkpoint(tmp_path, sharded, part, bad):
+    """An RNG part of the wrong size (a hand-edited or damaged checkpoint) passed the peek and
+    failed in the middle of the resume with a traceback; now the peek refuses it in one line that
+    names the checkpoint, and resume falls back to the previous one."""
+    from training.checkpoint import peek_checkpoint
+
+    model, opt, backend, ck = _setup(sharded, run_dir=tmp_path)
+    good = ck.save(_meta(2), model, opt, "test", wait=True)
+    meta = _meta(4)
+    if part == "torch":
+        meta["rng"]["torch"] = meta["rng"]["torch"][:100]
+    elif part == "numpy":
+        meta["rng"]["numpy"][1] = meta["rng"]["numpy"][1][:10]
+    else:
+        meta["rng"]["python"] = [3, meta["rng"]["python"][1][:5], None]
+    path = ck.save(meta, model, opt, "test", wait=True)
+    with pytest.raises(CheckpointError, match=f"^{path}: malformed RNG state") as e:
+        peek_checkpoint(path)
+    assert "\n" not in str(e.value)
+    warned = []
+    assert find_latest(tmp_path, warn=warned.append)[0] == good
+    assert len(warned) == 1 and "malformed RNG state" in warned[0]
+
+
 def test_rotation_deletes_only_older_committed_checkpoints(tmp_path):
     model, opt, backend, ck = _setup(True, run_dir=tmp_path)
     for s in (10, 20):

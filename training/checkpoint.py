@@ -273,7 +273,11 @@ def _dcp_meta(ckpt_dir: Path) -> dict:
     read_dcp_metadata(ckpt_dir)
     meta = {k: v for k, v in marker.items() if k not in ("optimizer_param_groups", "format", "writers",
                                                            "saved_at")}
-    meta["rng"] = rng_from_json(marker["rng"])
+    try:
+        meta["rng"] = rng_from_json(marker["rng"])
+        check_rng_state(meta["rng"])
+    except CheckpointError as e:
+        raise CheckpointError(f"{ckpt_dir}: {e}") from None
     meta["optimizer"] = {"param_groups": marker["optimizer_param_groups"]}
     return meta
 
@@ -307,6 +311,10 @@ def _load_file(path: Path, with_optimizer: bool = True) -> dict:
     if "optimizer" in ckpt:  # a checkpoint a run resumes from, not weights alone
         _check_fields(path, ckpt, {"optimizer": dict, "tokens_seen": int, "data": dict, "rng": dict,
                                    "config": dict})
+        try:
+            check_rng_state(ckpt["rng"])
+        except CheckpointError as e:
+            raise CheckpointError(f"{path}: {e}") from None
     if not with_optimizer:
         ckpt.pop("optimizer", None)
     return ckpt
@@ -894,6 +902,25 @@ def set_rng_state(state: dict) -> None:
             torch.cuda.set_rng_state_all(state["cuda"])
         except (RuntimeError, IndexError):
             print("warning: CUDA RNG state not restored (different device count)", file=sys.stderr)
+
+
+def check_rng_state(state: dict) -> None:
+    """``CheckpointError`` unless ``set_rng_state`` takes ``state``: each host generator's part is
+    set on a scratch generator of its kind (a part of the wrong size or type fails here, when the
+    checkpoint is peeked, not in the middle of a resume). The CUDA part depends on the device
+    count and ``set_rng_state`` already warns and goes on without it."""
+    try:
+        if "python" in state:
+            v, internal, gauss = state["python"]
+            random.Random().setstate((v, tuple(internal), gauss))
+        if "numpy" in state:
+            name, keys, pos, has_gauss, cached = state["numpy"]
+            keys = keys.numpy() if isinstance(keys, torch.Tensor) else np.asarray(keys)
+            np.random.RandomState().set_state((name, keys.astype(np.uint32), pos, has_gauss, cached))
+        if "torch" in state:
+            torch.Generator().set_state(state["torch"])
+    except Exception as e:   # whatever the generators refuse (ValueError, TypeError, RuntimeError)
+        raise CheckpointError(f"malformed RNG state ({first_line(e)})") from None
 
 
 def rng_to_json(state: dict) -> dict:
