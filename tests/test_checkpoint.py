@@ -456,7 +456,7 @@ def test_a_second_run_on_a_checkpoint_dir_in_use_is_refused_and_touches_nothing(
     (run_dir / "ckpt_00000005" / "__0_0.distcp").write_bytes(b"shard")
     holder = subprocess.Popen(
         [sys.executable, "-c", "import fcntl, os, sys, time\n"
-         "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)\nfcntl.flock(fd, fcntl.LOCK_EX)\n"
+         "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)\nfcntl.lockf(fd, fcntl.LOCK_EX)\n"
          "print('locked', flush=True)\ntime.sleep(600)", str(run_dir / ".lock")],
         stdout=subprocess.PIPE, text=True)
     try:
@@ -474,6 +474,52 @@ def test_a_second_run_on_a_checkpoint_dir_in_use_is_refused_and_touches_nothing(
         holder.wait()
     r = run(["train.py", str(cfg), "training.max_steps=6"])
     assert r.returncode == 0 and "resumed from" in r.stderr and "unfinished save" in r.stderr, r.stderr[-2000:]
+
+
+def test_the_run_lock_dies_with_the_master_not_with_its_forked_workers(tmp_path):
+    """The master's data loader workers are forked from it. With the lock a ``flock`` (the open
+    file's, which they share), a SIGKILLed master's workers held it on for seconds and an
+    immediate restart was refused; the lock is now the master process's own."""
+    from training.backend import TorchBackend
+    from training.checkpoint import release_run_lock
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    master = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import os, sys, time
+        sys.path.insert(0, {str(ROOT)!r})
+        from training.backend import TorchBackend
+        from training.checkpoint import Checkpointer
+        Checkpointer({str(run_dir)!r}, 2, TorchBackend("cpu"), log=lambda m: None)._lock_run_dir()
+        worker = os.fork()
+        if worker == 0:     # a data loader worker: lives on after its master
+            time.sleep(600)
+            os._exit(0)
+        print(worker, flush=True)
+        time.sleep(600)
+        """)], stdout=subprocess.PIPE, text=True, env=ENV)
+    worker = int(master.stdout.readline())
+    try:
+        with pytest.raises(CheckpointError, match="another run is using it"):   # the master holds it
+            Checkpointer(run_dir, 2, TorchBackend("cpu"), log=lambda m: None)._lock_run_dir()
+        master.kill()
+        master.wait()
+        os.kill(worker, 0)   # the worker is alive (raises if not) ...
+        Checkpointer(run_dir, 2, TorchBackend("cpu"), log=lambda m: None)._lock_run_dir()  # ... and the lock is free
+    finally:
+        release_run_lock(run_dir)
+        os.kill(worker, signal.SIGKILL)
+
+
+def test_a_collective_refusal_without_a_message_still_refuses():
+    """``raise_together`` took an error whose text is empty for no error: nobody raised."""
+    from training.distributed import HostGroup
+
+    with pytest.raises(OSError):
+        HostGroup().raise_together(OSError(), RuntimeError)
+    with pytest.raises(CheckpointError):
+        HostGroup().raise_together(CheckpointError(""), CheckpointError)
+    HostGroup().raise_together(None, RuntimeError)
 
 
 def test_checkpoints_of_which_none_loads_are_refused_not_restarted_over(tmp_path):

@@ -716,6 +716,30 @@ def test_ddp_processes_stop_together_at_the_step_after_a_signal(tmp_path, stdlib
     assert [p.name for p in (tmp_path / "run").glob("ckpt_*")] == ["ckpt_00000003.pt"]
 
 
+@needs_torchrun
+def test_a_shard_one_process_cannot_open_stops_every_process_with_its_reason(tmp_path, stdlib_data):
+    """The launch agreement compares meta.json; the shards are opened by each process after it. A
+    shard one host cannot open (missing or damaged on its disk) stopped that process in one line
+    and left the other with a traceback from its next collective; now both stop with the reason."""
+    cfg = tiny_config(tmp_path, stdlib_data, **{"training.max_steps": 2, "evaluation.interval": 0})
+    patch = ("import os\nfrom training import data\nfrom training.config import ConfigError\n"
+             "real = data.TokenWindows.__init__\n"
+             "def init(self, d, split, *a, **k):\n"
+             "    if os.environ.get('RANK') == '1' and split == 'val':\n"
+             "        raise ConfigError(f'{d}/val_00000.npy: cannot open shard (rank 1 cannot)')\n"
+             "    real(self, d, split, *a, **k)\n"
+             "data.TokenWindows.__init__ = init\n")
+    script = patched_script(tmp_path, patch, ["train.py", cfg, "training.batch_size=2"])
+    proc = subprocess.run([TORCHRUN, "--standalone", "--nproc_per_node=2", str(script)], cwd=ROOT,
+                          env=ENV, capture_output=True, text=True, timeout=600)
+    # torchrun prints its own traceback for a failed worker; the workers print none
+    assert proc.returncode != 0 and "]: Traceback" not in proc.stderr, proc.stderr[-3000:]
+    reason = f"train.py: error: {stdlib_data}/val_00000.npy: cannot open shard (rank 1 cannot)"
+    assert proc.stderr.count(reason) == 2, proc.stderr[-3000:]                   # each process stops ...
+    assert f"{reason} (on another process)" in proc.stderr, proc.stderr[-3000:]  # ... rank 0 knowing why
+    assert not (tmp_path / "run").exists() or not list((tmp_path / "run").glob("ckpt_*"))
+
+
 def test_a_token_budget_resumed_with_another_batch_keeps_its_budget_and_its_schedule(tmp_path, stdlib_data):
     """training.total_tokens on resume: the steps left are the tokens left in steps of the new size,
     and the cosine goes on from the tokens trained on. Before, max_steps was the whole budget in

@@ -34,6 +34,7 @@ DCP's own metadata classes (``read_dcp_metadata``); the marker is JSON.
 from __future__ import annotations
 
 import argparse
+import errno
 import fcntl
 import io
 import json
@@ -562,12 +563,15 @@ class Checkpointer:
         return path, peek_checkpoint(path)
 
     def _lock_run_dir(self) -> None:
-        """One run at a time in a ``checkpoint.dir``: the master holds an exclusive ``flock`` on its
+        """One run at a time in a ``checkpoint.dir``: the master holds an exclusive lock on its
         ``.lock`` until the run ends (``release_run_lock``; the kernel lets go when the process
         ends, SIGKILL included). A second run started there meanwhile (launched twice, a requeue while the old
         job lives) would delete the first one's save in progress as unfinished, and overwrite its
-        checkpoints: it is refused on every process, before anything is touched. A filesystem
-        without locks (gcsfuse) enforces nothing."""
+        checkpoints: it is refused on every process, before anything is touched. A POSIX record
+        lock (``lockf``), not ``flock``: a flock belongs to the open file, which the forked data
+        loader workers share, so after a SIGKILL of the master it lived on in them for seconds and
+        an immediate restart was refused; a record lock is the process's own. A filesystem without
+        locks (gcsfuse) enforces nothing."""
         error = None
         if self.backend.is_master:
             key = os.path.realpath(self.run_dir)
@@ -575,14 +579,13 @@ class Checkpointer:
                 fd = None
                 try:
                     fd = os.open(self.run_dir / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                     _RUN_LOCKS[key], fd = fd, None
-                except BlockingIOError:
-                    error = CheckpointError(
-                        f"checkpoint.dir={self.run_dir}: another run is using it (it holds "
-                        f"{self.run_dir / '.lock'}); let it end or stop it, or use another checkpoint.dir")
-                except OSError:  # no locks here (ENOLCK, ENOTSUP)
-                    pass
+                except OSError as e:  # held (EAGAIN, EACCES), or no locks here (ENOLCK, ENOTSUP)
+                    if e.errno in (errno.EAGAIN, errno.EACCES):
+                        error = CheckpointError(
+                            f"checkpoint.dir={self.run_dir}: another run is using it (it holds "
+                            f"{self.run_dir / '.lock'}); let it end or stop it, or use another checkpoint.dir")
                 finally:
                     if fd is not None:
                         os.close(fd)

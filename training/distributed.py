@@ -105,7 +105,7 @@ class HostGroup:
         processes only (a checkpoint one host cannot read), instead of the others dying in the
         next collective: this process's own ``error``, or ``kind`` with the first failing
         process's reason (rank order). One all-gather."""
-        mine = "" if error is None else str(error)
+        mine = "" if error is None else (str(error) or type(error).__name__)   # a message-less error too
         failed = mine if self.group is None else next((e for e in self.all_gather_text(mine) if e), "")
         if failed:
             raise error or kind(f"{failed} (on another process)")

@@ -172,8 +172,15 @@ class Trainer:
         self.log_line = info if backend.is_master else (lambda msg: None)
 
         # -- data sizes and the schedule ---------------------------------------------------------
-        self.train_ds = TokenWindows(d_cfg.dir, "train", d_cfg.seq_len)
-        self.val_ds = TokenWindows(d_cfg.dir, "val", d_cfg.seq_len)
+        # every process opens the shards itself: one host's missing or damaged shard stops all of
+        # them with its reason (the launch agreement compared meta.json only)
+        error = None
+        try:
+            self.train_ds = TokenWindows(d_cfg.dir, "train", d_cfg.seq_len)
+            self.val_ds = TokenWindows(d_cfg.dir, "val", d_cfg.seq_len)
+        except ConfigError as e:
+            error = e
+        backend.host.raise_together(error, ConfigError)
         for split, ds in (("train", self.train_ds), ("val", self.val_ds)):
             if (unused := ds.unused_warning(split)) is not None:
                 self.log_line(unused)
