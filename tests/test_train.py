@@ -1,6 +1,7 @@
 """train.py end to end on CPU: exact resume after SIGTERM, DDP global-batch equivalence, NaN
 handling, metrics and checkpoints. Tiny fp32 models on the stdlib test corpus."""
 import json
+import math
 import os
 import signal
 import subprocess
@@ -738,6 +739,37 @@ def test_a_shard_one_process_cannot_open_stops_every_process_with_its_reason(tmp
     assert proc.stderr.count(reason) == 2, proc.stderr[-3000:]                   # each process stops ...
     assert f"{reason} (on another process)" in proc.stderr, proc.stderr[-3000:]  # ... rank 0 knowing why
     assert not (tmp_path / "run").exists() or not list((tmp_path / "run").glob("ckpt_*"))
+
+
+@needs_torchrun
+def test_a_bad_batch_on_one_process_stops_every_process_with_its_reason(tmp_path, stdlib_data):
+    """A batch holding a token id past the vocabulary (a corrupt shard) is found by the process
+    that reads it; stopping there alone left the other in the step's collectives (a traceback over
+    gloo, a wait over nccl). The batch is replaced, the step skipped on every process (the skip is
+    decided on the replicas' mean loss), and all stop at the next decision with its reason."""
+    cfg = tiny_config(tmp_path, stdlib_data, **{"training.max_steps": 8, "logging.interval": 1,
+                                                "evaluation.interval": 0, "checkpoint.interval": 0})
+    patch = ("import os\nfrom training import data\nfrom training.config import ConfigError\n"
+             "real, calls = data.DataStream.__next__, [0]\n"
+             "def nxt(self):\n"
+             "    batch = real(self)\n"
+             "    calls[0] += 1\n"
+             "    if os.environ.get('RANK') == '1' and calls[0] == 3:\n"
+             "        raise ConfigError('train_00000.npy: token 5 is id 9999, not below the vocabulary')\n"
+             "    return batch\n"
+             "data.DataStream.__next__ = nxt\n")
+    script = patched_script(tmp_path, patch, ["train.py", cfg, "training.batch_size=2"])
+    proc = subprocess.run([TORCHRUN, "--standalone", "--nproc_per_node=2", str(script)], cwd=ROOT,
+                          env=ENV, capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0 and "]: Traceback" not in proc.stderr, proc.stderr[-3000:]
+    reason = "train.py: error: train_00000.npy: token 5 is id 9999, not below the vocabulary"
+    assert proc.stderr.count(reason) == 2, proc.stderr[-3000:]
+    assert f"{reason} (on another process)" in proc.stderr, proc.stderr[-3000:]
+    lines = [json.loads(ln) for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [1, 2, 3], lines   # stopped at the decision after step 3
+    assert math.isfinite(lines[1]["loss"]) and lines[2]["loss"] == "nan"      # step 3 skipped, on
+    assert (lines[1]["nonfinite_skipped"], lines[2]["nonfinite_skipped"]) == (0, 1)  # every process
+    assert not list((tmp_path / "run").glob("ckpt_*"))   # an error: no save of the state it stopped in
 
 
 def test_a_token_budget_resumed_with_another_batch_keeps_its_budget_and_its_schedule(tmp_path, stdlib_data):

@@ -406,6 +406,24 @@ def test_a_token_id_past_the_vocabulary_is_one_line_naming_shard_and_position(tm
     assert not (tmp_path / "run").exists() or not list((tmp_path / "run").glob("ckpt_*"))
 
 
+def test_a_token_id_past_the_vocabulary_in_the_evaluation_batches_stops_the_start(tmp_path, stdlib_data):
+    """The evaluation's batches are the same every time: their ids are checked once at start
+    (evaluation runs the model's collectives under FSDP2, where a process stopping alone in it
+    would leave the others waiting), so the run stops before its first step, in one line."""
+    import shutil
+    shutil.copytree(stdlib_data, tmp_path / "data")
+    shard = sorted((tmp_path / "data").glob("val_*.npy"))[0]
+    _foreign_ids(shard, tmp_path / "data" / "meta.json")
+    r = subprocess.run([sys.executable, "train.py", "configs/demo.yaml", f"data.dir={tmp_path / 'data'}",
+                        f"checkpoint.dir={tmp_path / 'run'}", "training.max_steps=2", "model.n_layers=1",
+                        "data.seq_len=64", "training.batch_size=2"],
+                       cwd=ROOT, capture_output=True, text=True)
+    last = [ln for ln in r.stderr.splitlines() if ln.strip()][-1]
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert last.startswith(f"train.py: error: {shard}: token 777 is id "), last
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
 _MANY_SHARDS = """
 import json, os, resource, sys
 import numpy as np

@@ -321,17 +321,17 @@ class DataStream:
             self._it = _start_workers(lambda: iter(DataLoader(self.dataset, sampler=self.sampler,
                                                               generator=seeds, **self.loader_kwargs)))
             self._left = self.remaining(self.offset)
-        batch = next(self._it)
-        if past_vocabulary(batch, self.vocab_size):
-            self._bad_ids()
-        self._left -= 1
+        batch, offset = next(self._it), self.offset
+        self._left -= 1                  # the batch is consumed, good or bad: the position moves on
         self.offset += self.global_batch
+        if past_vocabulary(batch, self.vocab_size):
+            self._bad_ids(offset)
         return batch
 
-    def _bad_ids(self) -> None:
-        """The batch at the current position holds an id past the vocabulary: say where."""
+    def _bad_ids(self, offset: int) -> None:
+        """The batch at ``offset`` holds an id past the vocabulary: say where."""
         s = self.sampler
-        order = s._order()[self.offset + s.rank:self.offset + self.global_batch:s.num_replicas]
+        order = s._order()[offset + s.rank:offset + self.global_batch:s.num_replicas]
         self.dataset.check_ids(order)
         raise ConfigError(f"{getattr(self.dataset, 'dir', 'the data')}: a batch holds a token id not below "
                           f"the vocabulary ({self.vocab_size})")

@@ -173,11 +173,16 @@ class Trainer:
 
         # -- data sizes and the schedule ---------------------------------------------------------
         # every process opens the shards itself: one host's missing or damaged shard stops all of
-        # them with its reason (the launch agreement compared meta.json only)
+        # them with its reason (the launch agreement compared meta.json only). The evaluation's
+        # batches are the same every time: their token ids are checked here, once (evaluation
+        # runs the model's collectives under FSDP2, where one process stopping alone in it would
+        # leave the others waiting)
         error = None
         try:
             self.train_ds = TokenWindows(d_cfg.dir, "train", d_cfg.seq_len)
             self.val_ds = TokenWindows(d_cfg.dir, "val", d_cfg.seq_len)
+            per_batch = t_cfg.batch_size * backend.world_size
+            self.val_ds.check_ids(range(min(cfg.evaluation.steps, len(self.val_ds) // per_batch) * per_batch))
         except ConfigError as e:
             error = e
         backend.host.raise_together(error, ConfigError)
@@ -273,6 +278,11 @@ class Trainer:
         # Host-side bookkeeping of the log steps.
         self.skipped_logged = 0
         self.stop_nonfinite = False
+        # a batch this process could not use (a token id past the vocabulary): the others are in
+        # the same step's collectives, so it is replaced and its step skipped, and every process
+        # stops at the next decision (should_stop), each with this error
+        self.data_error: ConfigError | None = None
+        self.last_batch = None
         self.last_log_time, self.last_log_step = time.time(), state.step
         self.paused_seconds = 0.0  # evaluation and checkpoint saves since the last log line
         # The stop decisions (should_stop): when the last was taken, and the step of the next one
@@ -349,18 +359,24 @@ class Trainer:
         backend.seed_rng(step_seed(t_cfg.seed, backend.rank, self.state.step))
         micro_losses = []
         for micro in range(accum):
+            bad_batch = False
             try:
-                x, y = next(self.batches)
+                x, y = self.last_batch = next(self.batches)
             except StopIteration:
                 # the training stream never ends: its loader stopped because it failed (torch_xla's
                 # ParallelLoader prints the error in its thread and ends the stream)
                 raise RuntimeError("the data loader stopped: loading failed (the error is printed above)") from None
+            except ConfigError as e:   # this process's batch only: step on with a harmless one
+                self.data_error, bad_batch = self.data_error or e, True
+                x, y = self.last_batch or (torch.zeros(t_cfg.batch_size, self.cfg.data.seq_len,
+                                                       dtype=torch.long, device=backend.device),) * 2
             with backend.no_sync(self.train_model, last_micro_step=micro == accum - 1):
                 with backend.autocast(self.amp_dtype):
                     out = self.train_model(x, y)
                 out.logits = None  # [batch, seq, vocab], unused: free it now (and keep it out of XLA's outputs)
                 (out.loss / accum).backward()
-            micro_losses.append(out.loss.detach().float())
+            loss_i = out.loss.detach().float()
+            micro_losses.append(loss_i * math.nan if bad_batch else loss_i)   # a bad batch's step: skipped everywhere
         backend.sync()  # XLA: the update is its own graph, the same for every accumulation
         backend.reduce_gradients(optimizer)
         grads = [p.grad for p in self.params if p.grad is not None]
@@ -452,8 +468,11 @@ class Trainer:
         (then, before), interval = self.last_decision, 1
         if step > before:
             interval = decision_interval((now - then) / (step - before), self.cfg.logging.interval)
-        nonfinite, signalled, fewest = self.backend.max_across(self.stop_nonfinite, STOP.requested, -interval)
+        nonfinite, signalled, fewest, bad_data = self.backend.max_across(
+            self.stop_nonfinite, STOP.requested, -interval, self.data_error is not None)
         self.last_decision, self.next_decision = (now, step), step - fewest
+        if bad_data:   # every process takes part: the failing one's reason for all
+            self.backend.host.raise_together(self.data_error, ConfigError)
         if nonfinite:
             return "nonfinite"
         if signalled:
