@@ -231,6 +231,38 @@ def test_one_process_stops_at_the_step_after_a_signal(tmp_path, stdlib_data, arg
     assert [p.stem for p in (tmp_path / "run").glob("ckpt_*")] == ["ckpt_00000003"]  # a file or a DCP directory
 
 
+BAD_THIRD_BATCH = """
+from training import data
+from training.config import ConfigError
+real, calls = data.DataStream.__next__, [0]
+def nxt(self):
+    batch = real(self)
+    calls[0] += 1
+    if calls[0] == 3:
+        raise ConfigError("train_00000.npy: token 5 is id 9999, not below the vocabulary")
+    return batch
+data.DataStream.__next__ = nxt
+"""
+
+
+@pytest.mark.parametrize("mode", ["ddp", "spmd"])
+def test_a_bad_batch_read_in_the_loader_thread_is_one_agreed_stop(tmp_path, stdlib_data, mode):
+    """On XLA the host batches are read in torch_xla's loader thread: a batch refused there (a
+    token id past the vocabulary) ended the thread and the stream with two tracebacks, and no
+    decision was shared. It reaches the training thread now: the step is skipped, and the run
+    stops at the next decision with the reason in one line, as train.py does."""
+    cfg = tiny_config(tmp_path, stdlib_data, **{"training.max_steps": 8, "logging.interval": 1,
+                                                "evaluation.interval": 0, "checkpoint.interval": 0})
+    r = run(["train_xla.py", str(cfg), f"xla.mode={mode}"], env=patched_env(tmp_path, BAD_THIRD_BATCH))
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    # (ddp: xmp.spawn's worker says it, then the launcher that a worker ended)
+    assert "\ntrain_xla.py: error: train_00000.npy: token 5 is id 9999, not below the vocabulary\n" in r.stderr
+    # the loader reads ahead: the step that takes the next batch after the refusal is the skipped one
+    lines = metrics(tmp_path / "run")
+    assert lines[-1]["loss"] == "nan" and lines[-1]["nonfinite_skipped"] == 1, lines
+    assert all(m["loss"] != "nan" for m in lines[:-1]) and lines[-1]["step"] < 8, lines
+
+
 SIGTERM_DURING_SET_UP = """
 import os, signal
 from training import xla_backend

@@ -297,6 +297,12 @@ class DataStream:
         self.epoch, self.offset = epoch, offset
         self._it, self._left = None, 0
 
+    def placeholder(self) -> tuple:
+        """A batch of this stream's shape and dtype (token 0 everywhere), to stand in for one it
+        refused (an XLA loader has to hand a batch on)."""
+        x = torch.zeros(self.loader_kwargs["batch_size"], self.dataset.seq_len, dtype=torch.long)
+        return x, x.clone()
+
     def __iter__(self):
         return self
 

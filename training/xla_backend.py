@@ -316,20 +316,56 @@ class _SinkhornScan(torch.autograd.Function):
 
 class _DeviceBatches:
     """Batches uploaded to the device by a background thread: torch_xla's ``ParallelLoader``, as
-    ``MpDeviceLoader`` uses it, with a ``close`` that stops the prefetching."""
+    ``MpDeviceLoader`` uses it, with a ``close`` that stops the prefetching.
+
+    The host batches are read in the loader's thread, where a ``ConfigError`` of the stream (a
+    token id past the vocabulary) would end the thread and the stream with a traceback. It is kept
+    instead (``_standing_in``) and raised by the next ``__next__`` here, on the training thread,
+    where the loop skips that step on every process and agrees on the stop (``Trainer.train_step``)."""
 
     def __init__(self, iterable, device, **kw):
-        self._loader = pl.ParallelLoader(iterable, [device], **kw)
+        self._errors: list = []
+        self._raised = False
+        self._loader = pl.ParallelLoader(_standing_in(iterable, self._errors), [device], **kw)
         self._it = self._loader.per_device_loader(device)
 
     def __iter__(self):
         return self
 
     def __next__(self):
-        return next(self._it)
+        try:
+            batch = next(self._it)
+        except StopIteration:
+            if self._errors and not self._raised:
+                self._raised = True
+                raise self._errors[0] from None
+            raise
+        if self._errors and not self._raised:
+            self._raised = True
+            raise self._errors[0]
+        return batch
 
     def close(self) -> None:
         self._loader.close()
+
+
+def _standing_in(iterable, errors: list):
+    """``iterable``'s batches; one it refuses with a ``ConfigError`` is recorded in ``errors`` and
+    replaced by the batch before it (or the stream's ``placeholder()``), so the device batches
+    keep their count, shapes and input sharding."""
+    it, last = iter(iterable), None
+    while True:
+        try:
+            batch = next(it)
+        except StopIteration:
+            return
+        except ConfigError as e:
+            errors.append(e)
+            if last is None and not hasattr(iterable, "placeholder"):
+                return
+            batch = last if last is not None else iterable.placeholder()
+        last = batch
+        yield batch
 
 
 class XLABackend(Backend):
