@@ -37,8 +37,10 @@ class TrainingExit(Exception):
 def _default_pjrt_device() -> None:
     if "PJRT_DEVICE" in os.environ:
         return
-    on_tpu = importlib.util.find_spec("libtpu") is not None or glob.glob("/dev/accel*") \
-        or glob.glob("/dev/vfio/[0-9]*")
+    # as torch_xla's own default: the TPU runtime installed *and* TPU chips here (a TPU image
+    # without a TPU, e.g. a CPU CI job, has libtpu and no device)
+    on_tpu = importlib.util.find_spec("libtpu") is not None and bool(
+        glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
     os.environ["PJRT_DEVICE"] = "TPU" if on_tpu else "CPU"
     if not on_tpu:
         print("train_xla.py: no TPU found: using PJRT_DEVICE=CPU (set PJRT_DEVICE to choose)",

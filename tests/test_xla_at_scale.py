@@ -3,10 +3,12 @@ graphs whatever the accumulation, the log interval and the mode; one device-to-h
 log line; the blocks as one scanned loop with the unrolled model's losses; TPU peak FLOP/s by
 device kind; launch checks that refuse with one line before anything compiles."""
 import json
+import subprocess
+import sys
 
 import pytest
 
-from helpers import ENV, metrics, run, script_report, tiny_config
+from helpers import ENV, ROOT, metrics, run, script_report, tiny_config
 from training.config import ConfigError, load_config
 from training.data import data_fingerprint
 from training.monitor import peak_flops_for
@@ -108,6 +110,38 @@ print("REPORT " + json.dumps(out))
 
 
 @pytest.mark.xla
+def test_libtpu_without_a_tpu_is_not_a_tpu(tmp_path):
+    """train_xla.py picks PJRT_DEVICE when none is set. The TPU runtime installed on a machine with
+    no TPU (a TPU image in a CPU CI job) chose TPU, which then failed at the runtime's start; as
+    in torch_xla's own default, both the runtime and a TPU device are needed."""
+    (tmp_path / "libtpu").mkdir()
+    (tmp_path / "libtpu" / "__init__.py").write_text("")
+    env = {k: v for k, v in ENV.items() if k != "PJRT_DEVICE"}
+    env["PYTHONPATH"] = str(tmp_path)
+    code = ("import importlib.util, os, train_xla\n"
+            "assert importlib.util.find_spec('libtpu') is not None\n"
+            "train_xla._default_pjrt_device()\nprint(os.environ['PJRT_DEVICE'])")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.strip() == "CPU", r.stderr   # (no /dev/accel*, /dev/vfio/N here)
+
+
+def test_a_compile_cache_that_cannot_be_made_is_a_warning(tmp_path, monkeypatch):
+    """xla.compile_cache is made before the hosts can agree on anything: a directory that cannot be
+    created (read-only, a gs:// path) stopped that host alone with a traceback while the others
+    waited in the rendezvous. It is an optimisation: a warning, and the run goes on without it."""
+    pytest.importorskip("torch_xla")
+    from types import SimpleNamespace
+    from training import xla_backend
+
+    (tmp_path / "file").write_text("")
+    monkeypatch.setattr(xla_backend.xr, "device_type", lambda: "TPU")
+    monkeypatch.setattr(xla_backend.xr, "process_index", lambda: 0)
+    monkeypatch.setattr(xla_backend.xr, "initialize_cache", lambda *a, **k: pytest.fail("no cache to use"))
+    with pytest.warns(UserWarning, match=f"xla.compile_cache={tmp_path / 'file'}: cannot create "
+                                         f"{tmp_path / 'file' / 'spmd_0'} .*compiling without a persistent cache"):
+        xla_backend.XLABackend._init_cache(SimpleNamespace(spmd=True), str(tmp_path / "file"))
+
+
 def test_launch_checks_refuse_in_one_line_before_compiling(tmp_path, stdlib_data):
     cfg = tiny_config(tmp_path, stdlib_data, **SMALL)
     out = script_report(LAUNCH, cfg, env=SPMD)

@@ -485,6 +485,7 @@ class Trainer:
         ``checkpoint.async``, as the last save of a run is)."""
         state = self.state
         self.backend.wait_host()  # pending log lines update state.nonfinite_total
+        self.backend.wait_device()  # the steps before are training time, not the save's
         t0 = time.time()  # after the last log line's clock: the pause starts here
         pos = self.stream.advance(state.epoch, state.offset, state.batches_done)
         meta = {

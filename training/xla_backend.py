@@ -31,6 +31,7 @@ import itertools
 import json
 import os
 import threading
+import warnings
 from pathlib import Path
 from typing import Callable
 
@@ -447,7 +448,14 @@ class XLABackend(Backend):
         # same entries at once (a SPMD process per host, a ddp process per chip)
         sub = f"spmd_{xr.process_index()}" if self.spmd else f"ordinal_{xr.global_ordinal()}"
         path = Path(cache).expanduser() / sub
-        path.mkdir(parents=True, exist_ok=True)
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            # before the hosts can agree on anything (this runs before the gloo group): an
+            # optimisation that cannot be had is a warning, not a stop on this host alone
+            warnings.warn(f"xla.compile_cache={cache}: cannot create {path} ({e.strerror or e}); "
+                          "compiling without a persistent cache")
+            return
         try:
             xr.initialize_cache(str(path), readonly=False)
         except AssertionError as e:  # torch_xla 2.9 asserts: already initialised (tests, notebooks)
@@ -578,6 +586,11 @@ class XLABackend(Backend):
         with self._host_done:
             self._host_pending += 1
         xm.add_step_closure(closure, args=(values,), run_async=True)
+
+    def wait_device(self) -> None:
+        """The device's queued graphs done (XLA runs them asynchronously): evaluation's and a
+        save's time is then theirs, not the step's before or after them."""
+        xm.wait_device_ops()
 
     def wait_host(self) -> None:
         if self._host_pending:
