@@ -717,28 +717,34 @@ def test_ddp_processes_stop_together_at_the_step_after_a_signal(tmp_path, stdlib
     assert [p.name for p in (tmp_path / "run").glob("ckpt_*")] == ["ckpt_00000003.pt"]
 
 
+def _both_stop_with(tmp_path, cfg, patch: str, reason: str) -> None:
+    """train.py under torchrun (2 gloo processes), ``patch`` run first in each (it fails something
+    on RANK 1 only): both processes stop with ``reason``, rank 0 saying it came from another; no
+    worker traceback (torchrun prints its own for a failed worker)."""
+    script = patched_script(tmp_path, "import os\nfrom training import data\n"
+                                      "from training.config import ConfigError\n" + patch,
+                            ["train.py", cfg, "training.batch_size=2"])
+    proc = subprocess.run([TORCHRUN, "--standalone", "--nproc_per_node=2", str(script)], cwd=ROOT,
+                          env=ENV, capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0 and "]: Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.count(f"train.py: error: {reason}") == 2, proc.stderr[-3000:]
+    assert f"train.py: error: {reason} (on another process)" in proc.stderr, proc.stderr[-3000:]
+    assert not (tmp_path / "run").exists() or not list((tmp_path / "run").glob("ckpt_*"))  # no save
+
+
 @needs_torchrun
 def test_a_shard_one_process_cannot_open_stops_every_process_with_its_reason(tmp_path, stdlib_data):
     """The launch agreement compares meta.json; the shards are opened by each process after it. A
     shard one host cannot open (missing or damaged on its disk) stopped that process in one line
     and left the other with a traceback from its next collective; now both stop with the reason."""
     cfg = tiny_config(tmp_path, stdlib_data, **{"training.max_steps": 2, "evaluation.interval": 0})
-    patch = ("import os\nfrom training import data\nfrom training.config import ConfigError\n"
-             "real = data.TokenWindows.__init__\n"
-             "def init(self, d, split, *a, **k):\n"
-             "    if os.environ.get('RANK') == '1' and split == 'val':\n"
-             "        raise ConfigError(f'{d}/val_00000.npy: cannot open shard (rank 1 cannot)')\n"
-             "    real(self, d, split, *a, **k)\n"
-             "data.TokenWindows.__init__ = init\n")
-    script = patched_script(tmp_path, patch, ["train.py", cfg, "training.batch_size=2"])
-    proc = subprocess.run([TORCHRUN, "--standalone", "--nproc_per_node=2", str(script)], cwd=ROOT,
-                          env=ENV, capture_output=True, text=True, timeout=600)
-    # torchrun prints its own traceback for a failed worker; the workers print none
-    assert proc.returncode != 0 and "]: Traceback" not in proc.stderr, proc.stderr[-3000:]
-    reason = f"train.py: error: {stdlib_data}/val_00000.npy: cannot open shard (rank 1 cannot)"
-    assert proc.stderr.count(reason) == 2, proc.stderr[-3000:]                   # each process stops ...
-    assert f"{reason} (on another process)" in proc.stderr, proc.stderr[-3000:]  # ... rank 0 knowing why
-    assert not (tmp_path / "run").exists() or not list((tmp_path / "run").glob("ckpt_*"))
+    _both_stop_with(tmp_path, cfg, "real = data.TokenWindows.__init__\n"
+                                   "def init(self, d, split, *a, **k):\n"
+                                   "    if os.environ.get('RANK') == '1' and split == 'val':\n"
+                                   "        raise ConfigError(f'{d}/val_00000.npy: cannot open shard (rank 1 cannot)')\n"
+                                   "    real(self, d, split, *a, **k)\n"
+                                   "data.TokenWindows.__init__ = init\n",
+                    f"{stdlib_data}/val_00000.npy: cannot open shard (rank 1 cannot)")
 
 
 @needs_torchrun
@@ -749,27 +755,19 @@ def test_a_bad_batch_on_one_process_stops_every_process_with_its_reason(tmp_path
     decided on the replicas' mean loss), and all stop at the next decision with its reason."""
     cfg = tiny_config(tmp_path, stdlib_data, **{"training.max_steps": 8, "logging.interval": 1,
                                                 "evaluation.interval": 0, "checkpoint.interval": 0})
-    patch = ("import os\nfrom training import data\nfrom training.config import ConfigError\n"
-             "real, calls = data.DataStream.__next__, [0]\n"
-             "def nxt(self):\n"
-             "    batch = real(self)\n"
-             "    calls[0] += 1\n"
-             "    if os.environ.get('RANK') == '1' and calls[0] == 3:\n"
-             "        raise ConfigError('train_00000.npy: token 5 is id 9999, not below the vocabulary')\n"
-             "    return batch\n"
-             "data.DataStream.__next__ = nxt\n")
-    script = patched_script(tmp_path, patch, ["train.py", cfg, "training.batch_size=2"])
-    proc = subprocess.run([TORCHRUN, "--standalone", "--nproc_per_node=2", str(script)], cwd=ROOT,
-                          env=ENV, capture_output=True, text=True, timeout=600)
-    assert proc.returncode != 0 and "]: Traceback" not in proc.stderr, proc.stderr[-3000:]
-    reason = "train.py: error: train_00000.npy: token 5 is id 9999, not below the vocabulary"
-    assert proc.stderr.count(reason) == 2, proc.stderr[-3000:]
-    assert f"{reason} (on another process)" in proc.stderr, proc.stderr[-3000:]
+    _both_stop_with(tmp_path, cfg, "real, calls = data.DataStream.__next__, [0]\n"
+                                   "def nxt(self):\n"
+                                   "    batch = real(self)\n"
+                                   "    calls[0] += 1\n"
+                                   "    if os.environ.get('RANK') == '1' and calls[0] == 3:\n"
+                                   "        raise ConfigError('train_00000.npy: token 5 is id 9999, not below the vocabulary')\n"
+                                   "    return batch\n"
+                                   "data.DataStream.__next__ = nxt\n",
+                    "train_00000.npy: token 5 is id 9999, not below the vocabulary")
     lines = [json.loads(ln) for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == [1, 2, 3], lines   # stopped at the decision after step 3
     assert math.isfinite(lines[1]["loss"]) and lines[2]["loss"] == "nan"      # step 3 skipped, on
     assert (lines[1]["nonfinite_skipped"], lines[2]["nonfinite_skipped"]) == (0, 1)  # every process
-    assert not list((tmp_path / "run").glob("ckpt_*"))   # an error: no save of the state it stopped in
 
 
 def test_a_token_budget_resumed_with_another_batch_keeps_its_budget_and_its_schedule(tmp_path, stdlib_data):
