@@ -271,6 +271,9 @@ class Trainer:
         self.streak = torch.zeros((), device=device)        # non-finite steps in a row
         self.worst_streak = torch.zeros((), device=device)  # the longest such run in this process
         self.skipped = torch.zeros((), device=device)       # non-finite steps in this process
+        # a micro-step's loss times 1, or NaN for a batch this process could not use: device data
+        # either way, so that step traces the graph of every other (XLA compiles nothing new)
+        self.loss_factor = {False: torch.ones((), device=device), True: torch.full((), math.nan, device=device)}
         self.keep_grads = backend.keep_gradients(self.params, t_cfg.gradient_accumulation_steps)
         backend.sync()  # materialise the counters and the optimiser state: step 1 = every later step
         self.value_names: list[str] = []  # what train_step's vector holds, in order
@@ -375,8 +378,7 @@ class Trainer:
                     out = self.train_model(x, y)
                 out.logits = None  # [batch, seq, vocab], unused: free it now (and keep it out of XLA's outputs)
                 (out.loss / accum).backward()
-            loss_i = out.loss.detach().float()
-            micro_losses.append(loss_i * math.nan if bad_batch else loss_i)   # a bad batch's step: skipped everywhere
+            micro_losses.append(out.loss.detach().float() * self.loss_factor[bad_batch])  # NaN: skipped everywhere
         backend.sync()  # XLA: the update is its own graph, the same for every accumulation
         backend.reduce_gradients(optimizer)
         grads = [p.grad for p in self.params if p.grad is not None]
