@@ -890,16 +890,22 @@ def rng_state() -> dict:
     return state
 
 
-def set_rng_state(state: dict) -> None:
+def _set_host_rngs(state: dict, python=random, numpy=np.random, torch_set=torch.set_rng_state) -> None:
+    """``state``'s host generator parts set on ``python`` (``setstate``), ``numpy``
+    (``set_state``) and through ``torch_set``: the global generators, or scratch ones."""
     if "python" in state:
         v, internal, gauss = state["python"]
-        random.setstate((v, tuple(internal), gauss))
+        python.setstate((v, tuple(internal), gauss))
     if "numpy" in state:
         name, keys, pos, has_gauss, cached = state["numpy"]
         keys = keys.numpy() if isinstance(keys, torch.Tensor) else np.asarray(keys)
-        np.random.set_state((name, keys.astype(np.uint32), pos, has_gauss, cached))
+        numpy.set_state((name, keys.astype(np.uint32), pos, has_gauss, cached))
     if "torch" in state:
-        torch.set_rng_state(state["torch"])
+        torch_set(state["torch"])
+
+
+def set_rng_state(state: dict) -> None:
+    _set_host_rngs(state)
     if "cuda" in state and torch.cuda.is_available():
         try:
             torch.cuda.set_rng_state_all(state["cuda"])
@@ -913,15 +919,7 @@ def check_rng_state(state: dict) -> None:
     checkpoint is peeked, not in the middle of a resume). The CUDA part depends on the device
     count and ``set_rng_state`` already warns and goes on without it."""
     try:
-        if "python" in state:
-            v, internal, gauss = state["python"]
-            random.Random().setstate((v, tuple(internal), gauss))
-        if "numpy" in state:
-            name, keys, pos, has_gauss, cached = state["numpy"]
-            keys = keys.numpy() if isinstance(keys, torch.Tensor) else np.asarray(keys)
-            np.random.RandomState().set_state((name, keys.astype(np.uint32), pos, has_gauss, cached))
-        if "torch" in state:
-            torch.Generator().set_state(state["torch"])
+        _set_host_rngs(state, random.Random(), np.random.RandomState(), torch.Generator().set_state)
     except Exception as e:   # whatever the generators refuse (ValueError, TypeError, RuntimeError)
         raise CheckpointError(f"malformed RNG state ({first_line(e)})") from None
 
