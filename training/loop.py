@@ -371,8 +371,7 @@ class Trainer:
                 raise RuntimeError("the data loader stopped: loading failed (the error is printed above)") from None
             except ConfigError as e:   # this process's batch only: step on with a harmless one
                 self.data_error, bad_batch = self.data_error or e, True
-                x, y = self.last_batch or (torch.zeros(t_cfg.batch_size, self.cfg.data.seq_len,
-                                                       dtype=torch.long, device=backend.device),) * 2
+                x, y = self.last_batch or tuple(t.to(backend.device) for t in self.stream.placeholder())
             with backend.no_sync(self.train_model, last_micro_step=micro == accum - 1):
                 with backend.autocast(self.amp_dtype):
                     out = self.train_model(x, y)
