@@ -1106,8 +1106,10 @@ class NashMHC(nn.Module):
 
         Matmuls count 6 per weight per token. Attention (as in PaLM's MFU, causal masking not
         subtracted): ``12 * H * D`` per key a query is scored against: min(window, T) keys at
-        scale 0 ("attention"), T / r**l at the coarser scales ("nash", with the aggregation's
-        consensus and distances, 12 * nash_iters * L * C). mHC: its projections phi and the stream
+        scale 0 ("attention"), T / r**l at the coarser scales ("nash", with the aggregation: the
+        weighted sum of the L scale outputs, 6 * L * C; with ``aggregation: nash`` also their Gram
+        matrix, 3 * L (L + 1) * C (its L (L + 1) / 2 distinct products of D numbers per head),
+        and the rounds' [L, L] products, 6 * nash_iters * L^2 * H). mHC: its projections phi and the stream
         mixing (H_res, H_pre, H_post: 6 * (n^2 + 2n) * C per sub-layer). Norms, softmax, Sinkhorn
         and other element-wise work are not counted.
         """
@@ -1121,7 +1123,9 @@ class NashMHC(nn.Module):
                 matmul[_component(name + ".weight")] += m.weight.numel()
         keys0 = min(cfg.nash_window, T) if cfg.nash_window else T
         coarse = sum(T // r ** l for l in range(1, L))
-        agg = 12 * cfg.nash_iters * L * C if L > 1 and cfg.aggregation == "nash" else 0
+        agg = 6 * L * C if L > 1 else 0
+        if L > 1 and cfg.aggregation == "nash":
+            agg += 3 * L * (L + 1) * C + 6 * cfg.nash_iters * L * L * H
         mixing = 2 * 6 * (n * n + 2 * n) * C if n > 1 else 0
         per_layer = cfg.n_layers
         return {

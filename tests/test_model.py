@@ -910,8 +910,15 @@ def test_flops_per_token():
     windowed = build(tiny(mhc_streams=1, nash_scales=1, nash_window=8))
     assert windowed.flops_per_token(T) == expected - 12 * cfg.n_layers * cfg.d_model * (T - 8)
     scaled = build(tiny(mhc_streams=1, nash_scales=3, nash_window=0))  # + T/2 + T/4 keys, + aggregation
-    extra = 12 * cfg.n_layers * cfg.d_model * (T // 2 + T // 4 + 3 * 3)
+    C, H, L, rounds = cfg.d_model, cfg.n_heads, 3, scaled.config.nash_iters
+    # the aggregation per token, forward x 3: the weighted sum (2 L C), the Gram matrix's
+    # L (L + 1) / 2 distinct products of D numbers per head (L (L + 1) C) and each round's
+    # [L, L] @ [L] per head (2 L^2 H)
+    aggregation = 3 * (2 * L * C + L * (L + 1) * C + rounds * 2 * L * L * H)
+    extra = cfg.n_layers * (12 * C * (T // 2 + T // 4) + aggregation)
     assert scaled.flops_per_token(T) == expected + extra
+    mean = build(tiny(mhc_streams=1, nash_scales=3, nash_window=0, aggregation="mean"))
+    assert mean.flops_per_token(T) == expected + cfg.n_layers * (12 * C * (T // 2 + T // 4) + 6 * L * C)
     assert build(tiny()).flops_per_token(T) > build(tiny(mhc_streams=1)).flops_per_token(T)
 
 
