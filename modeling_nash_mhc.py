@@ -72,6 +72,7 @@ class NashMHCForCausalLM(PreTrainedModel, GenerationMixin):
     def __init__(self, config: NashMHCConfig):
         super().__init__(config)
         self.model = NashMHC(config.model_config())
+        self.gradient_checkpointing = bool(config.activation_checkpointing)
         self.post_init()
 
     @torch.no_grad()
@@ -99,8 +100,11 @@ class NashMHCForCausalLM(PreTrainedModel, GenerationMixin):
 
     def _set_gradient_checkpointing(self, enable: bool = True, gradient_checkpointing_func=None, **kwargs):
         """activation_checkpointing_enable() (4.x: gradient_checkpointing_enable()): model.py's
-        activation checkpointing of every block, with transformers' checkpoint function."""
+        activation checkpointing of every block, with transformers' checkpoint function.
+        ``gradient_checkpointing`` is the attribute transformers' ``is_activation_checkpointing``
+        (``is_gradient_checkpointing``) looks for on the modules."""
         self.model.config.activation_checkpointing = self.config.activation_checkpointing = enable
+        self.gradient_checkpointing = enable
         if enable and gradient_checkpointing_func is not None:
             self.model.checkpoint_fn = gradient_checkpointing_func
 

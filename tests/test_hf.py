@@ -212,8 +212,10 @@ def test_remote_code_model_in_transformers_workflows(tmp_path, nash_export):
     grads = []
     for checkpointing in (False, True):
         if checkpointing:  # transformers 5.x's name (gradient_checkpointing_enable, deprecated, calls the same)
+            assert not hf.is_activation_checkpointing
             hf.activation_checkpointing_enable()
-            assert hf.model.config.activation_checkpointing
+            # transformers' own reading of it (Trainer and PEFT ask it), as well as ours
+            assert hf.model.config.activation_checkpointing and hf.is_activation_checkpointing
         hf.zero_grad()
         loss = hf(x, labels=x).loss
         loss.backward()
