@@ -917,6 +917,39 @@ def test_one_ctrl_c_delivered_twice_is_one_stop_and_a_later_one_exits(monkeypatc
     assert exits == [130]
 
 
+def test_a_stop_signal_during_a_write_to_stderr_is_taken_not_a_crash(monkeypatch, capfd):
+    """A signal handler runs between two bytecodes of the main thread, which may be inside a write
+    to sys.stderr (a log line, tqdm's redraw). Python's buffered streams refuse a reentrant write
+    (RuntimeError, raised in the main thread: the run died instead of stopping and saving), so
+    the handler writes its line to the file descriptor, not through the stream."""
+    import signal
+
+    from training import loop
+
+    stop = loop.StopRequested()
+
+    class Stderr:  # a buffered stream, with the signal arriving in the middle of a write
+        writing = False
+
+        def write(self, text):
+            if self.writing:
+                raise RuntimeError("reentrant call inside <_io.BufferedWriter name='<stderr>'>")
+            self.writing = True
+            try:
+                stop._handle(signal.SIGTERM, None)
+            finally:
+                self.writing = False
+            return len(text)
+
+        def flush(self):
+            pass
+
+    monkeypatch.setattr(sys, "stderr", Stderr())
+    loop.info("a log line")
+    assert stop.requested and stop.signal_name == "SIGTERM"
+    assert "SIGTERM received: stopping at the next decision step" in capfd.readouterr().err
+
+
 def test_dropout_seeds_differ_by_replica_and_step_and_repeat():
     """Each (seed, replica, step) gives its own seed, the same every time it is asked for, within
     the range every generator takes (63 bits): DDP replicas draw different masks, and a resumed

@@ -61,13 +61,26 @@ class StopRequested:
     def _handle(self, signum, frame):
         if self.requested:
             if signum == signal.SIGINT and self._clock() - self._first_at > self.SAME_INTERRUPT_S:
-                info("second interrupt: exiting now without saving")
+                self._say("second interrupt: exiting now without saving")
                 os._exit(130)
             return
         self.requested, self._first_at = True, self._clock()
         self.signal_name = signal.Signals(signum).name
-        info(f"{self.signal_name} received: stopping at the next decision step, saving a checkpoint, "
-             "then exiting (Ctrl+C again to exit at once)")
+        self._say(f"{self.signal_name} received: stopping at the next decision step, saving a checkpoint, "
+                  "then exiting (Ctrl+C again to exit at once)")
+
+    @staticmethod
+    def _say(msg: str) -> None:
+        """A line on stderr from the handler, written to the file descriptor: the handler runs
+        between two bytecodes of the main thread, which may be inside a write to ``sys.stderr``
+        (a log line, tqdm's redraw), and Python's buffered streams refuse a reentrant write with a
+        RuntimeError in the main thread (the run died instead of stopping). On a terminal the line
+        first clears a progress bar's partial line."""
+        try:
+            lead = "\r\x1b[K" if os.isatty(2) else ""
+            os.write(2, f"{lead}{msg}\n".encode())
+        except OSError:
+            pass
 
     def cause(self) -> str:
         """What asked for the stop that every process decided on, for the closing line."""
