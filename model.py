@@ -1043,7 +1043,8 @@ class NashMHC(nn.Module):
                  generator: Optional[torch.Generator] = None):
         """Append up to ``max_new_tokens`` sampled tokens to ``idx [B, T]`` (context cropped to
         max_seq_len; no KV cache: each token is one forward pass over the context).
-        ``temperature <= 0``: greedy; ``top_k``: sample among the k likeliest tokens, None: all of
+        ``temperature <= 0`` (or so small that it is 0 in fp32): greedy; one past fp32's range is an
+        error; ``top_k``: sample among the k likeliest tokens, None: all of
         them; ``vocab_limit``: only ids below it (a vocabulary rounded up past the tokenizer's has
         rows no text maps to); ``stop_id``: stop once every row has produced it (rows that end
         earlier go on: cut them at their first ``stop_id``); ``generator``: the random stream.
@@ -1052,6 +1053,11 @@ class NashMHC(nn.Module):
             raise ValueError(f"top_k={top_k}: expected at least 1, or None for all tokens")
         if idx.shape[-1] == 0:
             raise ValueError("generate needs at least one prompt token")
+        # the logits are fp32: a temperature must be one there (1e-50 is 0, and x / 0 is NaN at the
+        # row maximum; 1e39 is inf, and -inf / inf is NaN in the rows past vocab_limit)
+        temperature = float(torch.tensor(temperature, dtype=torch.float32))
+        if not math.isfinite(temperature):
+            raise ValueError(f"temperature={temperature}: expected a finite number (fp32: below 3.4e38)")
         was_training = self.training
         self.eval()
         stopped = torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)

@@ -900,14 +900,19 @@ def _no_documents(corpus: Corpus) -> str:
     return f"no documents: every input is empty ({corpus.empty} empty documents{skipped})"
 
 
+def as_document_encoder(tokenizer):
+    """``tokenizer`` set to encode as documents are encoded here (and sample.py's prompt): raw
+    text, so a literal "<|endoftext|>" in one is text, not a document boundary."""
+    tokenizer.encode_special_tokens = True
+    return tokenizer
+
+
 def encode_corpus(corpus: Corpus, spec: TokenizerSpec, dtype, folder: Path,
                   args: argparse.Namespace, interactive: bool) -> dict:
     """Encode every document and route it to train or val; returns meta.json's "splits"."""
     from tqdm import tqdm
 
-    encoder = spec.tokenizer
-    # Documents are raw text: a literal "<|endoftext|>" in one is text, not a document boundary.
-    encoder.encode_special_tokens = True
+    encoder = as_document_encoder(spec.tokenizer)
     eos = spec.eos_id
     hasher = split_hasher(args.seed)
     writers = {s: ShardWriter(folder, s, dtype, args.shard_tokens) for s in ("train", "val")}

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from model import NashMHC
-from prepare_data import DataError, TokenizerSpec
+from prepare_data import DataError, TokenizerSpec, as_document_encoder
 from training.checkpoint import CheckpointError, resolve_checkpoint
 from training.config import ConfigError
 from training.data import data_change_warning
@@ -65,6 +65,8 @@ def main(argv=None) -> int:
                              ("--max-new-tokens", args.max_new_tokens, 0), ("--num-samples", args.num_samples, 1)):
         if not value >= low:  # also NaN
             ap.error(f"{flag} must be at least {low}, got {value}")
+    if not torch.tensor(args.temperature, dtype=torch.float32).isfinite():  # as generate's fp32 logits see it
+        ap.error(f"--temperature must be finite in fp32 (below 3.4e38), got {args.temperature}")
     if not 0 <= args.seed < 2 ** 63:
         ap.error(f"--seed must be in [0, 2**63), got {args.seed}")
     try:
@@ -100,12 +102,13 @@ def main(argv=None) -> int:
             spec = TokenizerSpec.load(str(tok_path))
         except DataError as e:
             raise FileNotFoundError(str(e).removeprefix("--tokenizer ")) from None
-        tok, eos = spec.tokenizer, spec.eos_id
+        tok, eos = as_document_encoder(spec.tokenizer), spec.eos_id
         if spec.vocab_size > model.config.vocab_size:
             raise FileNotFoundError(f"{tok_path}: {spec.vocab_size} token ids, but the model has "
                                     f"{model.config.vocab_size} rows: not the tokenizer it was trained "
                                     "with (pass --tokenizer)")
-        # as prepare_data.py encodes a document (no BOS or other template tokens)
+        # as prepare_data.py encodes a document (no BOS or other template tokens; a literal
+        # "<|endoftext|>" is text, as it was in every training document)
         ids = tok.encode(args.prompt, add_special_tokens=False).ids
         if args.prompt and not ids:
             raise FileNotFoundError(f"--prompt: the tokenizer {tok_path} encodes none of it (not a byte-level one)")

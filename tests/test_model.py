@@ -833,6 +833,10 @@ def test_generate_gives_valid_ids_and_crops_the_context():
     greedy = m.generate(prompt[:, :10], 4, temperature=0)
     assert torch.equal(greedy, m.generate(prompt[:, :10], 4, top_k=1))
     assert torch.equal(greedy, m.generate(prompt[:, :10], 4, temperature=1e-40))  # near-greedy, not inf - inf
+    assert torch.equal(greedy, m.generate(prompt[:, :10], 4, temperature=1e-50))  # 0 in fp32: greedy, not 0 / 0
+    for t in (float("inf"), 1e39):  # inf in fp32: -inf / inf past vocab_limit would be NaN
+        with pytest.raises(ValueError, match="expected a finite number"):
+            m.generate(prompt[:, :10], 4, temperature=t, vocab_limit=5)
     # only ids below vocab_limit (rows past a tokenizer's vocabulary map to no text)
     for t in (0, 1.0, 1e30):
         assert m.generate(prompt[:, :10], 8, temperature=t, vocab_limit=5)[:, 10:].max() < 5

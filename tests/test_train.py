@@ -49,9 +49,11 @@ def test_trains_logs_and_checkpoints(tmp_path, stdlib_data):
     assert r.returncode == 0, r.stderr[-2000:]
     first, second = r.stdout.split("----- sample 2 -----")
     assert first.split("\n", 1)[1] == second.split("\n", 1)[1]
-    for flag, value in (("--top-k", "-5"), ("--num-samples", "0")):
+    for flag, value, said in (("--top-k", "-5", "must be at least"), ("--num-samples", "0", "must be at least"),
+                              ("--temperature", "inf", "must be finite in fp32"),
+                              ("--temperature", "1e39", "must be finite in fp32")):
         r = run(["sample.py", str(tmp_path / "run"), flag, value])
-        assert r.returncode == 2 and "Traceback" not in r.stderr and f"{flag} must be at least" in r.stderr
+        assert r.returncode == 2 and "Traceback" not in r.stderr and f"{flag} {said}" in r.stderr, r.stderr
     bad_tok = tmp_path / "bad.json"
     bad_tok.write_text("{not json")
     for args, said in ((["--device", "gpu"], "--device gpu: expected cpu, cuda, cuda:N or mps"),
@@ -87,6 +89,17 @@ def test_trains_logs_and_checkpoints(tmp_path, stdlib_data):
         assert r.returncode == 0, r.stderr[-2000:]
         want = big.decode(prompt + tail, skip_special_tokens=False)
         assert r.stdout.split("----- sample 2 -----\n")[1] == want + "\n", (r.stdout, want)
+    # the prompt is encoded as prepare_data.py encodes a document: a literal "<|endoftext|>" in it
+    # is text, as in every training document, not the end-of-text id
+    patch = ("import sys\nfrom model import NashMHC\ndef generate(self, idx, n, **kw):\n"
+             "    print('PROMPT', *idx[0].tolist(), file=sys.stderr)\n    return idx\nNashMHC.generate = generate\n")
+    text = "x = '<|endoftext|>'\n"
+    r = run_patched(tmp_path, patch, ["sample.py", tmp_path / "run", "--prompt", text, "--num-samples", "1"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = [int(i) for i in r.stderr.split("PROMPT ", 1)[1].split("\n", 1)[0].split()]
+    as_text = Tokenizer.from_file(str(stdlib_data / "tokenizer.json"))
+    as_text.encode_special_tokens = True
+    assert got == as_text.encode(text, add_special_tokens=False).ids and eos not in got
     # the end of text is the tokenizer's own (an imported one's eos_token in tokenizer_config.json,
     # as prepare_data.py reads it), not always <|endoftext|>; an empty prompt starts from it
     imported = tmp_path / "imported"
