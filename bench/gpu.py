@@ -122,7 +122,8 @@ def table(results: dict) -> str:
                     f"{fmt(m.get('val_loss'), '.4f')} |")
     base, nash = (results["stages"].get(k, {}).get("metrics", {}).get("step_ms") for k in ("baseline", "nash-mhc"))
     if base and nash:
-        rows.append(f"\nNash-MHC / baseline step time: {nash / base:.2f}x")
+        rows.append(f"\nNash-MHC / baseline step time: {nash / base:.2f}x (train.py runs one after the other; "
+                    "the side-by-side ratio: the variants stage)")
     return "\n".join(rows)
 
 
@@ -218,25 +219,28 @@ def profile(out: Path, batch: int, seq: int = 1024, steps: int = 5) -> None:
         torch.cuda.empty_cache()
 
 
-def _cuda_ms(fn, warmup: int = 3, repeats: int = 20) -> float:
-    """Median milliseconds of ``fn()`` on the device (CUDA events; wall time elsewhere)."""
+def _cuda_ms(fns: dict, warmup: int = 3, repeats: int = 20) -> dict:
+    """Median milliseconds of each ``fns[name]()`` on the device (CUDA events; wall time
+    elsewhere), the callables in turn in every repeat: a clock or thermal drift falls on all."""
     import torch
     for _ in range(warmup):
-        fn()
-    times = []
+        for fn in fns.values():
+            fn()
+    times: dict = {name: [] for name in fns}
     for _ in range(repeats):
-        if DEVICE == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(1000 * (time.perf_counter() - t0))
-    return statistics.median(times)
+        for name, fn in fns.items():
+            if DEVICE == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                torch.cuda.synchronize()
+                times[name].append(start.elapsed_time(end))
+            else:
+                t0 = time.perf_counter()
+                fn()
+                times[name].append(1000 * (time.perf_counter() - t0))
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def attention_calls(cfg, batch: int, seq: int, device: str) -> dict:
@@ -293,18 +297,20 @@ def attention(out: Path, batch: int, seq: int = 1024) -> None:
     grad = torch.randn_like(q)
     rows = []
     print(f"{DEVICE}, batch {batch} x seq {seq}, {H} heads / {Hkv} kv x {D}, {dtype}; forward + backward, "
-          "median of 20\n| call | model's form ms | flex_attention ms | flex / model | max |diff| |\n|---|---:|---:|---:|---:|")
+          "median of 20, the forms in turn\n| call | model's form ms | flex_attention ms | flex / model | max |diff| |\n|---|---:|---:|---:|---:|")
     for name, (model_fn, flex_fn) in attention_calls(cfg, batch, seq, DEVICE).items():
-        row = {"call": name}
+        row, runs = {"call": name}, {}
         for form, fn in (("model", model_fn), ("flex", flex_fn)):
             if fn is None:
                 continue
-            try:
-                row[f"{form}_ms"] = _cuda_ms(lambda fn=fn: fn(*qkv).backward(grad))
+            try:   # once first (flex compiles): a form this torch cannot run is reported, the others still run
+                fn(*qkv).backward(grad)
                 with torch.no_grad():
                     row[f"{form}_out"] = fn(q.detach(), k.detach(), v.detach()).float()
-            except Exception as e:   # a form this torch cannot run: reported, the others still run
+                runs[form] = lambda fn=fn: fn(*qkv).backward(grad)
+            except Exception as e:
                 row[f"{form}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+        row.update({f"{form}_ms": ms for form, ms in _cuda_ms(runs).items()})   # the forms in turn
         if "model_out" in row and "flex_out" in row:
             row["max_diff"] = (row["model_out"] - row["flex_out"]).abs().max().item()
         row.pop("model_out", None), row.pop("flex_out", None)

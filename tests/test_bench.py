@@ -294,25 +294,46 @@ def test_compile_warmups_are_measured_alone(monkeypatch):
     from bench import model as bench_model
 
     calls = []
+    alone = {"baseline": iter([10.0, 12.0, 9.0]), "nash-mhc": iter([40.0, 90.0, 41.0])}   # one slow round
 
     def fake_worker(args, backend, extra=()):
         calls.append((backend, tuple(extra)))
         if extra:   # alone: --variants=NAME --warmup-only
             v = extra[0].split("=", 1)[1]
-            return {"results": {v: {"params": 1, "warmup_s": {"baseline": 10.0, "nash-mhc": 40.0}[v]}}}
+            return {"results": {v: {"params": 1, "warmup_s": next(alone[v])}}}
         return {"results": {"baseline": {"params": 1, "warmup_s": 10.0, "wall_s": 1.0},
                             "nash-mhc": {"params": 1, "warmup_s": 30.0, "wall_s": 1.2}}}
 
     monkeypatch.setattr(bench_model, "run_worker", fake_worker)
-    args = argparse.Namespace(variants=["baseline", "nash-mhc"])
+    args = argparse.Namespace(variants=["baseline", "nash-mhc"], warmup_rounds=3)
     out = bench_model.run_backend(args, "compile")["results"]
-    assert out["nash-mhc"]["warmup_s"] == 40.0 and out["nash-mhc"]["warmup_shared_s"] == 30.0
+    assert out["nash-mhc"]["warmup_s"] == 41.0 and out["nash-mhc"]["warmup_shared_s"] == 30.0   # medians
     assert out["baseline"]["warmup_s"] == 10.0 and out["nash-mhc"]["wall_s"] == 1.2
-    assert calls == [("compile", ()), ("compile", ("--variants=baseline", "--warmup-only")),
-                     ("compile", ("--variants=nash-mhc", "--warmup-only"))]
+    assert out["nash-mhc"]["warmup_alone_s"] == [40.0, 90.0, 41.0]
+    # the variants in turn, round after round: a slow spell of the machine falls on both
+    assert calls == [("compile", ())] + [("compile", (f"--variants={v}", "--warmup-only"))
+                                         for _ in range(3) for v in ("baseline", "nash-mhc")]
     calls.clear()
     assert bench_model.run_backend(args, "eager")["results"]["nash-mhc"]["warmup_s"] == 30.0
     assert calls == [("eager", ())]
+
+
+def test_memory_is_measured_with_the_plain_heap_under_tuned_malloc():
+    """--tuned-malloc (a timing setting: glibc keeps freed memory) must not reach the memory
+    worker: there the heap would keep the warm-up step's memory, and the measured step's rise
+    above the resident set before it would read a fraction of it (16 KiB of a ~300 MiB step at
+    issue 13's shape, ~16 of ~60 MiB at one layer of it)."""
+    import argparse
+
+    from bench import model as bench_model
+
+    args = argparse.Namespace(batch=4, seq=512, vocab=512, d_model=256, n_layers=1, n_heads=8, n_kv_heads=4,
+                              window=128, sinkhorn_iters=20, threads=1, warmup=0, repeats=1, variants=["baseline"],
+                              stream_dtype=None, tuned_malloc=True, model_root=None)
+    plain = bench_model.measure_memory(argparse.Namespace(**{**vars(args), "tuned_malloc": False}), "baseline")
+    tuned = bench_model.measure_memory(args, "baseline")
+    assert plain["step_rss"] > 32 * 2 ** 20   # ~60 MiB; with the tuned heap it had read ~16 MiB
+    assert tuned["step_rss"] > plain["step_rss"] / 2
 
 
 def test_variants_take_model_settings_and_bad_ones_name_the_option():
@@ -426,14 +447,22 @@ def test_bench_gpu_attention_times_each_call_against_flex(tmp_path, monkeypatch)
     monkeypatch.setattr(gpu, "small_gpu_configs", lambda names, seq: {
         k: dataclasses.replace(c, d_model=32, n_heads=2, n_kv_heads=1, nash_window=16, max_seq_len=seq)
         for k, c in small(names, seq).items()})
-    monkeypatch.setattr(gpu, "_cuda_ms", lambda fn, warmup=3, repeats=20: (fn(), 1.0)[1])
+    real, order = gpu._cuda_ms, []
+
+    def in_turn(fns, warmup=3, repeats=20):   # the real timer, 2 repeats, each call's form recorded
+        order.append([])
+        return real({k: lambda k=k, f=f: (order[-1].append(k), f()) for k, f in fns.items()}, 0, 2)
+
+    monkeypatch.setattr(gpu, "_cuda_ms", in_turn)
     gpu.attention(tmp_path, batch=1, seq=64)
     rows = json.loads((tmp_path / "attention.json").read_text())["rows"]
     assert [r["call"] for r in rows] == ["full causal (the baseline's)", "scale 0: window 16",
                                          "scale 1: 16 pooled keys", "scale 2: 4 pooled keys"]
-    for r in rows:
-        assert r["model_ms"] == 1.0 and "model_error" not in r
+    for r, timed in zip(rows, order):
+        assert r["model_ms"] > 0 and "model_error" not in r
         assert ("flex_ms" in r and r["max_diff"] < 1e-5) or "flex_error" in r
+        # the forms side by side: one after the other in every repeat
+        assert timed == (["model", "flex"] * 2 if "flex_ms" in r else ["model"] * 2)
 
 
 @pytest.mark.parametrize("name, kind", [       # kernel names from bench/gpu.py's profile on an H100
