@@ -49,6 +49,29 @@ def test_xla_launch_keys_are_checked_with_the_config(tmp_path, over, key):
     load_config(cfg, ["xla.nprocs=1", "xla.mesh.data=4", "xla.mesh.dcn_data=2"])  # valid
 
 
+def test_shards_several_hosts_hold_are_written_by_one_each_spread_over_them():
+    """An SPMD save's global plan: a shard that several hosts hold (the parameters, with ``data``
+    across hosts) is written once, and those shards are spread over the hosts by size, not all
+    given to host 0 (torch_xla 2.9's own dedup: host 0 wrote a whole copy of the parameters)."""
+    import torch
+
+    from training.xla_backend import balanced_save_planner
+
+    hosts = 4
+    replicated = {f"blocks.{i}.w": torch.ones(64, 64) for i in range(8)}     # on every host
+    plans = []
+    for h in range(hosts):
+        planner = balanced_save_planner()
+        planner.set_up_planner({**replicated, f"opt.{h}": torch.ones(16)}, is_coordinator=h == 0)
+        plans.append(planner.create_local_plan())
+    global_plan, metadata = balanced_save_planner().create_global_plan(plans)
+    written = [[item.index.fqn for item in p.items] for p in global_plan]
+    assert sorted(sum(written, [])) == sorted([*replicated, *(f"opt.{h}" for h in range(hosts))])  # each once
+    assert [len([f for f in w if f.startswith("blocks.")]) for w in written] == [2] * hosts
+    assert all(f"opt.{h}" in written[h] for h in range(hosts))          # each host's own shard stays its own
+    assert set(metadata.state_dict_metadata) == set(sum(written, []))
+
+
 def test_data_fingerprint_follows_the_tokens_not_the_paths(stdlib_data):
     meta = json.loads((stdlib_data / "meta.json").read_text())
     moved = {**meta, "command": "prepare_data.py --out /elsewhere", "inputs": [{"path": "/x"}]}

@@ -21,8 +21,9 @@ no rendezvous): the set-up checks (the mesh, the SPMD batch, the data and the co
 has: ``training.launch``) refuse a launch with one line before anything compiles; stop after
 SIGTERM or non-finite steps is decided about once a second and at log steps
 (``loop.decision_interval``). SPMD checkpoints are DCP directories written with torch_xla's
-``SPMDSavePlanner`` over a second gloo group (the writer thread's): each host writes only its own shards (replicated
-tensors once), nothing is gathered. ddp checkpoints are single files by the master.
+``SPMDSavePlanner`` over a second gloo group (the writer thread's): each host writes only its own
+shards (a shard several hosts hold, once, by one of them: ``balanced_save_planner``), nothing is
+gathered. ddp checkpoints are single files by the master.
 """
 from __future__ import annotations
 
@@ -110,6 +111,23 @@ def _one_copy_per_shard(staged):
         return _CpuShards(shards=shards, global_shape=cs.global_shape)
 
     return tree_map_only(_CpuShards, dedup, staged)
+
+
+def balanced_save_planner():
+    """torch_xla's ``SPMDSavePlanner`` whose shards held by several hosts (the parameters, with
+    ``data`` across hosts; the optimiser state too without ``shard_optimizer_over_data``) are
+    written by one of them each, spread by size (torch's ``dedup_save_plans``). torch_xla 2.9's own
+    dedup gives every such shard to the first plan: host 0 wrote all of them (a whole copy of the
+    parameters), and the save took as long as host 0's share. Once deduplicated here, its dedup finds
+    nothing more to do."""
+    import torch_xla.experimental.distributed_checkpoint as xc
+    from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
+
+    class BalancedSPMDSavePlanner(xc.SPMDSavePlanner):
+        def create_global_plan(self, all_plans):
+            return super().create_global_plan(dedup_save_plans(all_plans))
+
+    return BalancedSPMDSavePlanner()
 
 
 def build_mesh(m) -> "xs.Mesh":
@@ -618,8 +636,7 @@ class XLABackend(Backend):
         return _one_copy_per_shard(staged) if sharded else staged
 
     def dcp_save_planner(self):
-        import torch_xla.experimental.distributed_checkpoint as xc
-        return xc.SPMDSavePlanner() if self.spmd else None
+        return balanced_save_planner() if self.spmd else None
 
     def dcp_load_planner(self):
         import torch_xla.experimental.distributed_checkpoint as xc
