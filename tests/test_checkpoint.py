@@ -4,6 +4,7 @@ format-1 files, consolidation, and the host-side decisions between two processes
 import json
 import os
 import pickle
+import shutil
 import signal
 import subprocess
 import sys
@@ -397,9 +398,10 @@ def test_a_process_that_stops_taking_part_fails_the_others_after_dist_timeout_s(
         assert "timed out" in said.lower() or "timeout" in said.lower(), (name, said)
 
 
-def _find_in(rank, store_path, dirs, out_dir, unreadable_on=None, fmt="file", unwritable_on=None):
-    """Checkpointer.find on two processes whose checkpoint.dir is ``dirs[rank]``; on process
-    ``unreadable_on`` no checkpoint loads (a read that failed there only); on process
+def _find_in(rank, store_path, dirs, out_dir, unreadable_on=None, fmt="file", unwritable_on=None,
+             resumes=("auto", "auto")):
+    """Checkpointer.find(``resumes[rank]``) on two processes whose checkpoint.dir is ``dirs[rank]``;
+    on process ``unreadable_on`` no checkpoint loads (a read that failed there only); on process
     ``unwritable_on`` no file can be written there (a read-only mount on one host)."""
     from types import SimpleNamespace
 
@@ -419,7 +421,7 @@ def _find_in(rank, store_path, dirs, out_dir, unreadable_on=None, fmt="file", un
     backend = SimpleNamespace(host=host, is_master=rank == 0, checkpoint_format=fmt,
                               all_equal=host.all_equal)
     try:
-        found = Checkpointer(dirs[rank], keep=1, backend=backend, log=lambda m: None).find("auto")
+        found = Checkpointer(dirs[rank], keep=1, backend=backend, log=lambda m: None).find(resumes[rank])
         res = {"found": found and str(found[0])}
     except CheckpointError as e:
         res = {"error": str(e)}
@@ -524,6 +526,35 @@ def test_a_collective_refusal_without_a_message_still_refuses():
     with pytest.raises(CheckpointError):
         HostGroup().raise_together(CheckpointError(""), CheckpointError)
     HostGroup().raise_together(None, RuntimeError)
+
+
+@pytest.mark.parametrize("fmt", ["file", "dcp"])
+def test_hosts_resuming_from_their_own_copies_must_hold_the_same_checkpoint(tmp_path, fmt):
+    """checkpoint.resume: a path on each host's own disk. Copies of one checkpoint resume; two
+    different checkpoints under the same name and step (a copy of another run's) are refused on
+    both processes with one line, where the names alone had agreed and the hosts trained apart."""
+    import torch.multiprocessing as mp
+    model, opt, backend, _ = _setup(fmt == "dcp", run_dir=tmp_path / "a")
+    backend.checkpoint_format = fmt
+    name = "ckpt_00000003" + (".pt" if fmt == "file" else "")
+    for d in ("a", "b"):   # two saves at step 3: the same name, other contents
+        Checkpointer(tmp_path / d, keep=1, backend=backend, log=lambda m: None).save(_meta(3), model, opt, "test", wait=True)
+        with torch.no_grad():
+            next(model.parameters()).add_(1.0)
+    copy = tmp_path / "copy" / name
+    copy.parent.mkdir()
+    (shutil.copytree if fmt == "dcp" else shutil.copy)(tmp_path / "a" / name, copy)
+    for resumes, same in (((tmp_path / "a" / name, copy), True), ((tmp_path / "a" / name, tmp_path / "b" / name), False)):
+        run_dir = tmp_path / f"run-{same}"
+        mp.spawn(_find_in, args=(str(tmp_path / f"store-{same}"), [str(run_dir)] * 2, str(tmp_path), None, fmt,
+                                 None, [str(r) for r in resumes]), nprocs=2)
+        res = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in (0, 1)]
+        if same:
+            assert [r.get("found") for r in res] == [str(r) for r in resumes]
+        else:
+            for rank in (0, 1):
+                assert "the processes hold different contents under this name" in res[rank]["error"]
+                assert str(resumes[rank]) in res[rank]["error"] and "\n" not in res[rank]["error"]
 
 
 def test_checkpoints_of_which_none_loads_are_refused_not_restarted_over(tmp_path):

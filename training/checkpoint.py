@@ -370,6 +370,31 @@ def peek_checkpoint(path: str | Path) -> dict:
     return _dcp_meta(p) if p.is_dir() else _load_file(p)
 
 
+def checkpoint_digest(path: str | Path, window: int = 1 << 20) -> str:
+    """A short digest that tells two copies of one checkpoint from two different checkpoints
+    (processes that resume from their own copies must hold the same one): a DCP directory's
+    commit marker (it records when the save was made) and metadata, a file's size and its first
+    and last ``window`` bytes (hashing a whole multi-GB file would cost as much as reading it)."""
+    import hashlib
+
+    p, h = Path(path), hashlib.sha256()
+    try:
+        if p.is_dir():
+            for name in (MARKER, ".metadata"):
+                f = p / name
+                h.update(f.read_bytes() if f.is_file() else b"-")
+        else:
+            size = p.stat().st_size
+            h.update(str(size).encode())
+            with open(p, "rb") as f:
+                h.update(f.read(window))
+                f.seek(max(0, size - window))
+                h.update(f.read(window))
+    except OSError as e:
+        raise CheckpointError(f"{p}: cannot read ({e.strerror or first_line(e)})") from None
+    return h.hexdigest()[:12]
+
+
 def find_latest(run_dir: str | Path, warn: Callable[[str], None] = print) -> tuple[Path, dict] | None:
     """The newest committed checkpoint in ``run_dir`` that passes ``peek_checkpoint``, with what it
     returned; a corrupt newer one is reported and skipped (never deleted)."""
@@ -517,9 +542,12 @@ class Checkpointer:
         if self.backend.is_master:
             for p in clean_uncommitted(self.run_dir):
                 self.log(f"removed {p}: an unfinished save")
-        error = found = None
+        error = found = digest = None
         try:
             found = self._find(resume)
+            # what the files hold, not only their names: with checkpoint.resume a path on each
+            # host's own disk, hosts that were given different copies would train on apart
+            digest = checkpoint_digest(found[0]) if found else None
         except CheckpointError as e:
             error = e
         self.backend.host.raise_together(error, CheckpointError)  # all stop, or none
@@ -529,10 +557,15 @@ class Checkpointer:
         # checkpoints among the old ones, under the same names
         unloadable = resume == "auto" and found is None and bool(list_checkpoints(self.run_dir))
         seen = f"{found[0].name}@{start}" if found else "none"
-        if not self.backend.all_equal(f"{seen} ahead:{ahead[-1].name if ahead else None} {unloadable}"):
-            raise CheckpointError(f"{self.run_dir}: the processes see different checkpoints to "
-                                  f"resume from (this one: {seen}); put checkpoint.dir on storage "
-                                  "every host sees (a shared filesystem or a gcsfuse bucket)")
+        names = f"{seen} ahead:{ahead[-1].name if ahead else None} {unloadable}"
+        if not self.backend.all_equal(f"{names} {digest}"):   # one collective; a second only to say what differs
+            if not self.backend.all_equal(names):
+                raise CheckpointError(f"{self.run_dir}: the processes see different checkpoints to "
+                                      f"resume from (this one: {seen}); put checkpoint.dir on storage "
+                                      "every host sees (a shared filesystem or a gcsfuse bucket)")
+            raise CheckpointError(f"{found[0]}: the processes hold different contents under this name "
+                                  f"(this one's digest: {digest}): give every host the same checkpoint, "
+                                  "or put it on storage every host sees")
         if unloadable:
             raise CheckpointError(
                 f"{self.run_dir} holds committed checkpoints and none of them loads (the warnings "
