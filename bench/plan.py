@@ -30,6 +30,7 @@ import torch  # noqa: E402
 
 from model import ModelConfig, NashMHC  # noqa: E402
 from training.config import Config, DataConfig, TrainingConfig  # noqa: E402
+from training.backend import fused_adamw  # noqa: E402
 from training.optim import AdamW, build_optimizer  # noqa: E402
 from training.plan import predict_step_peak, training_step  # noqa: E402
 
@@ -101,7 +102,7 @@ def measure_step_peak(cfg: Config, seed: int = 0, entry: str = "torch", ddp: boo
     torch.manual_seed(seed)
     model = NashMHC(cfg.model)
     params = [p for p in model.parameters() if p.requires_grad]
-    factory = AdamW if entry == "xla" else (lambda groups, **kw: torch.optim.AdamW(groups, fused=True, **kw))
+    factory = AdamW if entry == "xla" else fused_adamw   # train.py's on CPU/CUDA (Muon's AdamW groups too)
     optimizer = build_optimizer(model, cfg.training, factory)
     def attention():
         return sdpa_kernel(SDPBackend.MATH) if entry == "xla" else contextlib.nullcontext()

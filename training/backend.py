@@ -249,6 +249,14 @@ class Backend:
         pass
 
 
+def fused_adamw(groups, **kw):
+    """train.py's optimiser factory on CUDA and the CPU: torch's AdamW with its fused kernel."""
+    return torch.optim.AdamW(groups, fused=True, **kw)
+
+
+fused_adamw.fused = True   # Muon's AdamW groups take the same kernel (training.optim)
+
+
 def compile_regions(model: nn.Module) -> None:
     """``torch.compile`` every transformer block's forward and the loss (fullgraph), in place, as
     torchtitan does.
@@ -442,9 +450,6 @@ class TorchBackend(Backend):
 
     def adamw_factory(self):
         if self.device.type in ("cuda", "cpu"):
-            def fused_adamw(groups, **kw):
-                return torch.optim.AdamW(groups, fused=True, **kw)
-            fused_adamw.fused = True   # Muon's AdamW groups take the same kernel (training.optim)
             return fused_adamw
         return None  # MPS: the tensor-op AdamW of training.optim
 

@@ -45,6 +45,7 @@ from model import ModelConfig, NashMHC
 
 from .config import Config, ConfigError, check_xla
 from .monitor import TPU_DEVICE_KINDS, peak_flops_for
+from .backend import fused_adamw
 from .optim import AdamW, build_optimizer
 from .sharding import param_partition_spec, shard_factor, state_partition_spec
 
@@ -618,11 +619,9 @@ def _fake_model(mcfg: ModelConfig):
 
 
 def _optimizer(model, cfg: Config, layout: Layout):
-    if layout.entry == "xla":
-        factory = AdamW  # what XLABackend.adamw_factory returns
-    else:
-        def factory(groups, **kw):  # TorchBackend on CUDA and CPU: the fused kernel
-            return torch.optim.AdamW(groups, fused=True, **kw)
+    # what XLABackend.adamw_factory returns, or TorchBackend's on CUDA and CPU (the fused kernel,
+    # also for Muon's AdamW groups)
+    factory = AdamW if layout.entry == "xla" else fused_adamw
     return build_optimizer(model, cfg.training, factory)
 
 
