@@ -177,6 +177,21 @@ def test_train_py_ddp_counts_the_gradient_buckets_from_the_start(tmp_path, accum
     assert plan.train.parts["gradients"] == plan.evaluation.parts["gradients"] == grads
 
 
+@pytest.mark.parametrize("accum", [1, 2])
+def test_train_xla_evaluates_beside_the_gradients_it_holds(accum):
+    """train_xla.py with accumulation holds every gradient buffer all run (XLABackend.keep_gradients:
+    zeroed after each update, never freed), so its evaluation peak counts them (the plan had left
+    them out: the 3B plan's evaluation column was 3.16 GiB short); without accumulation they are
+    freed after each update."""
+    cfg = load_config(str(ROOT / "configs" / "demo.yaml"), [f"training.gradient_accumulation_steps={accum}"])
+    plan, _ = P.make_plan(cfg, "xla", P.device_for("v5e", "xla"))
+    with torch.device("meta"):
+        grads = sum(p.numel() * 4 for p in NashMHC(cfg.model).parameters())
+    assert plan.evaluation.parts["gradients"] == (grads if accum > 1 else 0)
+    if accum > 1:  # at the training peak too (a middle micro-step's forward); without, the peak may precede them
+        assert plan.train.parts["gradients"] == grads
+
+
 def _phases(trace, layout):
     per_chip = trace.per_chip(layout)
     return {P.PHASES[p]: per_chip[trace.phases == p] for p in set(trace.phases.tolist())}
@@ -448,6 +463,49 @@ def test_each_lever_announces_the_peak_of_its_config():
         over += lev.overrides
         replanned, _ = P.make_plan(load_config(path, over), "xla", device, margin=0.9999)
         assert lev.peak == pytest.approx(replanned.peak, rel=1e-9), lev.overrides
+
+
+def test_train_py_ddp_is_offered_fsdp2_where_the_state_does_not_fit(capsys):
+    """train.py under DDP holds every weight, gradient and optimizer state on every GPU: the lever
+    that fits the 3B model on eight 40 GB A100s is training.fsdp=true (offered first, at the peak
+    FSDP2's own plan has), not what the DDP plan used to list (bf16 streams, smaller micro-batches,
+    then "a larger fsdp axis", which train.py does not have). Where the activations are what does
+    not fit, it is not offered."""
+    path = ROOT / "configs" / "nash_mhc_3b.yaml"
+    device = P.device_for("a100-40", "torch")
+    over = ["training.compile=false"]
+    plan, trace = P.make_plan(load_config(path, over), "torch", device, world_size=8)
+    levers = P.find_levers(plan, "torch", trace)
+    assert not plan.fits and levers[0].overrides == ["training.fsdp=true"] and levers[0].peak <= plan.usable
+    fsdp, _ = P.make_plan(load_config(path, over + levers[0].overrides), "torch", device, world_size=8)
+    assert fsdp.fits and levers[0].peak == pytest.approx(fsdp.peak, rel=1e-9)
+    code, out, _ = plan_main(capsys, ROOT / "configs" / "demo.yaml", "--plan", "--device-kind", "cpu", "--world-size",
+                             "4", "model.vocab_size=32768", "training.batch_size=80", entry="torch")
+    assert code == 1 and "training.fsdp=true" not in out and "model.loss_chunk=" in out, out
+
+
+def test_the_cpu_plans_each_process_on_its_share_of_the_hosts_ram(capsys):
+    """Processes (or PJRT CPU devices) on the CPU share one host's RAM: four of them have a
+    quarter each (the plan had compared one process's peak with the whole RAM)."""
+    ram = P.device_for("cpu", "torch").memory
+    for entry, over in (("torch", ["--world-size", "4"]),
+                        ("xla", ["xla.mode=spmd", "xla.mesh.data=4", "training.batch_size=32"])):
+        cfg_over = [o for o in over if "=" in o]
+        world = 4 if "--world-size" in over else None
+        plan, _ = P.make_plan(load_config(ROOT / "configs" / "demo.yaml", cfg_over), entry,
+                              P.device_for("cpu", entry), world_size=world)
+        assert plan.device.memory == ram // 4, entry
+        code, out, _ = plan_main(capsys, ROOT / "configs" / "demo.yaml", "--plan", "--device-kind", "cpu", *over,
+                                 entry=entry)
+        assert f"({ram // 4 / 2 ** 30:.1f} GiB per chip: the host's RAM over 4)" in out, out
+
+
+def test_a_one_stream_model_is_not_offered_bf16_streams():
+    """model.stream_dtype applies to mHC's streams only: with one stream the lever changes nothing."""
+    cfg = load_config(ROOT / "configs" / "demo.yaml", ["model.mhc_streams=1", "model.nash_scales=1"])
+    plan, trace = P.make_plan(cfg, "torch", P.device_for("a100-40", "torch"), world_size=2, margin=0.99999)
+    levers = P.find_levers(plan, "torch", trace)
+    assert levers and not any("stream_dtype" in o for lev in levers for o in lev.overrides)
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -831,10 +831,13 @@ def _trace(cfg: Config, layout: Layout, device: Device, micro_batch: Optional[in
         for p in params if layout.gradient_buckets else ():
             buckets[id(p)] = torch.zeros_like(p)
             count(buckets[id(p)], GRADS, specs[id(p)], p)
+        # train_xla.py with accumulation holds every gradient all run (XLABackend.keep_gradients:
+        # zeroed after each update, never freed), so its evaluation runs beside them too
+        held = layout.entry == "xla" and accum > 1
         if evaluation:
             model.eval()
-        elif accum > 1 or optimizer_only:  # a middle or last micro-step, or the update alone:
-            # every gradient exists already
+        if (evaluation and held) or (not evaluation and (accum > 1 or optimizer_only)):
+            # a middle or last micro-step, or the update alone: every gradient exists already
             for p in params:
                 p.grad = buckets[id(p)] if buckets else torch.zeros_like(p)
                 count(p.grad, GRADS, specs[id(p)], p)
@@ -1034,6 +1037,8 @@ def make_plan(cfg: Config, entry: str, device: Device, world_size: Optional[int]
     if entry == "xla":
         check_xla(cfg)  # what train_xla.py refuses before it starts
     layout = layout or layout_for(cfg, entry, world_size)
+    if device.kind == "cpu" and layout.chips > 1:  # the processes (or PJRT CPU devices) share one host's RAM
+        device = dataclasses.replace(device, memory=device.memory // layout.chips)
     train = trace_step(cfg, layout, device)
     evaluation = trace_step(cfg, layout, device, evaluation=True)
     return Plan(cfg, layout, device, margin, peak_of(train, layout), peak_of(evaluation, layout)), train
@@ -1087,6 +1092,18 @@ def find_levers(plan: Plan, entry: str, train_trace: Trace) -> list[Lever]:
     def peak_on(new_layout):  # the same steps on another layout: the same traces, other scales
         return max(peak_of(train_trace, new_layout).total, peak_of(eval_trace, new_layout).total)
 
+    if layout.entry == "torch" and layout.mode == "ddp" and layout.chips > 1:
+        # train.py's FSDP2: other traces (no DDP buckets; each block's weights gathered in turn).
+        # Offered where the state is what does not fit (it lowers the peak by 5% or more), not
+        # where the activations are
+        fsdp_cfg = _with(cfg, training={"fsdp": True})
+        fsdp_layout = layout_for(fsdp_cfg, entry, layout.chips)
+        fsdp_traces = trace_step(fsdp_cfg, fsdp_layout, device), trace_step(fsdp_cfg, fsdp_layout, device, evaluation=True)
+        fsdp_peak = max(peak_of(fsdp_traces[0], fsdp_layout).total, peak_of(fsdp_traces[1], fsdp_layout).total)
+        if fsdp_peak <= 0.95 * peak:
+            cfg, layout, (train_trace, eval_trace), peak = fsdp_cfg, fsdp_layout, fsdp_traces, fsdp_peak
+            out.append(Lever(["training.fsdp=true"], f"FSDP2: weights, gradients and optimizer state sharded "
+                             f"over the {layout.chips} processes (each block's weights gathered when it runs)", peak))
     if layout.mode == "spmd" and layout.mesh["data"] > 1 and not layout.zero:
         layout = dataclasses.replace(layout, zero=True)
         cfg = _with(cfg, xla={"shard_optimizer_over_data": True})
@@ -1099,7 +1116,7 @@ def find_levers(plan: Plan, entry: str, train_trace: Trace) -> list[Lever]:
         steps.append(({"loss_chunk": chunk}, f"model.loss_chunk={chunk}",
                       "cross-entropy in chunks: the [tokens, vocab] logits never exist in full "
                       "(+1/3 of the LM head's FLOPs)"))
-    if getattr(cfg.model, "stream_dtype", None) == "fp32":
+    if getattr(cfg.model, "stream_dtype", None) == "fp32" and cfg.model.mhc_streams > 1:  # one stream: no streams
         steps.append(({"stream_dtype": "bf16"}, "model.stream_dtype=bf16", "bf16 residual streams"))
     if not cfg.model.activation_checkpointing:
         steps.append(({"activation_checkpointing": True}, "model.activation_checkpointing=true",
@@ -1152,6 +1169,17 @@ def _origin(op: str) -> str:
     return op.split(".")[1] if "." in op else op
 
 
+def _more_chips(layout: Layout) -> str:
+    """What more chips would take for this entry point, to lower the memory per chip."""
+    if layout.mode == "spmd":
+        return "more chips (a larger fsdp axis)"
+    if layout.mode == "fsdp2":
+        return "more processes (FSDP2 shards over all of them)"
+    if layout.entry == "torch":
+        return "more GPUs with training.fsdp=true (FSDP2 shards over them; DDP replicates everything)"
+    return "train_xla.py's SPMD mode with an fsdp axis (xla.mode=spmd; ddp replicates everything)"
+
+
 def format_plan(plan: Plan, mfu: float, usd_per_chip_hour: Optional[float], config_path,
                 levers: Optional[list[Lever]] = None) -> str:
     cfg, layout, device = plan.cfg, plan.layout, plan.device
@@ -1176,7 +1204,8 @@ def format_plan(plan: Plan, mfu: float, usd_per_chip_hour: Optional[float], conf
         settings.append("torch.compile modelled (inductor's partition, not its fusion)"
                         if compiles(cfg, layout, device) else "eager step (no torch.compile)")
     peak = device.peak_flops(t.precision)
-    lines = [f"plan for {config_path} on {device.kind} ({device.memory / GiB:.1f} GiB per chip"
+    shared = f": the host's RAM over {layout.chips}" if device.kind == "cpu" and layout.chips > 1 else ""
+    lines = [f"plan for {config_path} on {device.kind} ({device.memory / GiB:.1f} GiB per chip{shared}"
              + (f", peak {peak / 1e12:.0f} TFLOP/s at precision {t.precision})" if peak else ")"),
              f"  {layout.describe()}",
              f"  {meta_model.num_params() / 1e9:.3f}B parameters; {layout.micro_batch} sequence(s) x "
@@ -1210,11 +1239,10 @@ def format_plan(plan: Plan, mfu: float, usd_per_chip_hour: Optional[float], conf
                 ok = "fits" if lev.peak <= usable else "    "
                 lines.append(f"  {' '.join(lev.overrides):<62}{size(lev.peak, 9)} {unit}  {ok}  {lev.why}")
             if levers[-1].peak > usable:
-                lines.append(f"  still {size(levers[-1].peak - usable)} {unit} over: more chips (a larger "
-                             "fsdp axis) or a chip with more memory")
+                lines.append(f"  still {size(levers[-1].peak - usable)} {unit} over: {_more_chips(layout)} "
+                             "or a chip with more memory")
         else:
-            lines.append("  no lever left in the config: more chips (a larger fsdp axis) or a chip with "
-                         "more memory")
+            lines.append(f"  no lever left in the config: {_more_chips(layout)} or a chip with more memory")
     lines.append("")
     tokens_step = cfg.tokens_per_step(layout.replicas)
     steps = cfg.resolve_steps(layout.replicas)
