@@ -768,6 +768,18 @@ def _monitor(run_dir, start_step, **over):
     return Monitor(cfg, run_dir, True, 6, start_step)
 
 
+def test_without_a_progress_bar_each_log_step_is_a_line(tmp_path, capsys):
+    """logging.progress_bar=false (batch jobs, nohup): every log step prints what the bar would
+    show and the time left (there had been no line between evaluations)."""
+    m = _monitor(tmp_path, 0)
+    m.log(2, {"loss": 2.5, "lr": 1e-3, "tokens_per_sec": 12345.6, "step_time": 0.5, "mfu": 0.123})
+    m.log(6, {"loss": 2.25, "lr": 5e-4})
+    m.close()
+    assert capsys.readouterr().err.splitlines() == [
+        "step 2/6 | loss 2.5000 | lr 1.00e-03 | 12,346 tok/s | MFU 12.3% | 0:00:02 left",
+        "step 6/6 | loss 2.2500 | lr 5.00e-04"]
+
+
 def _tb_losses(tb_dir):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     acc = EventAccumulator(str(tb_dir))

@@ -165,11 +165,25 @@ def _wandb_run_id(run_dir: Path, start_step: int) -> str:
     return run_id
 
 
+def progress_line(step: int, total: int, m: dict) -> str:
+    """The console line of a log step without a progress bar: what the bar shows, and the time left."""
+    parts = [f"step {step}/{total}", f"loss {m['loss']:.4f}", f"lr {m.get('lr', 0):.2e}"]
+    if "tokens_per_sec" in m:
+        parts.append(f"{m['tokens_per_sec']:,.0f} tok/s")
+    if "mfu" in m:
+        parts.append(f"MFU {m['mfu']:.1%}")
+    if m.get("step_time"):
+        left = max(0, total - step) * m["step_time"]
+        parts.append(f"{int(left // 3600)}:{int(left % 3600 // 60):02d}:{int(left % 60):02d} left")
+    return " | ".join(parts)
+
+
 class Monitor:
     def __init__(self, cfg, log_dir: Path, enabled: bool, total_steps: int, start_step: int):
         """``log_dir``: logging.dir, or checkpoint.dir when it is null."""
         self.enabled = enabled
         self.log_dir = Path(log_dir)
+        self.total_steps = total_steps
         self.bar = None
         self.tb = None
         self.wandb = None
@@ -232,6 +246,8 @@ class Monitor:
             if "eval_loss" in metrics:
                 post["val"] = f"{metrics['eval_loss']:.4f}"
             self.bar.set_postfix(post, refresh=False)
+        elif "loss" in metrics:   # no bar (logging.progress_bar=false: batch logs): a line per log step
+            info(progress_line(step, self.total_steps, metrics))
 
     def _files_failed(self, e: OSError) -> None:
         """A full disk (or a quota, a storage error) under metrics.jsonl or TensorBoard's files: only
