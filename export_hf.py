@@ -492,4 +492,7 @@ def _terminate(signum, frame):
 
 if __name__ == "__main__":
     signal.signal(signal.SIGTERM, _terminate)
+    # transformers imports accelerate, which imports torch_xla: without a PJRT device named it warns
+    # that it defaults to the CPU. The export runs on the CPU and touches no XLA device.
+    os.environ.setdefault("PJRT_DEVICE", "CPU")
     sys.exit(main())

@@ -539,6 +539,15 @@ def test_an_unknown_flag_is_one_line_not_the_usage(capsys):
     assert e.value.code == 2 and err == "train_xla.py: error: unrecognized arguments: --bogus (see --help)\n"
 
 
+def test_an_override_written_as_a_flag_is_named_not_every_override_after_it(capsys):
+    """``--training.max_steps=3``: argparse called it and every override after it unrecognised."""
+    with pytest.raises(SystemExit) as e:
+        plan_main(capsys, ROOT / "configs" / "demo.yaml", "--training.max_steps=3", "checkpoint.dir=x", "--plan")
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err == ("train_xla.py: error: --training.max_steps=3: overrides take no leading "
+                                         "--: training.max_steps=3 (see --help)\n")
+
+
 CONFIG_TARGETS = {  # config -> (entry, device kinds it is meant for)
     "demo.yaml": ("xla", ["v6e", "cpu"]),
     "demo_baseline.yaml": ("xla", ["v6e"]),

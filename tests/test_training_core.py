@@ -135,6 +135,23 @@ def test_config_overrides_are_typed(tmp_path):
         load_config(p, ["training.max_stpes=1"])
 
 
+@pytest.mark.parametrize("overrides, where", [
+    (["training.max_steps="], "command line"),                       # the file holds max_steps: 3
+    (["training.lerning_rate=1e-3"], "command line"),
+    (["data.seq_len=4096"], "command line"),                          # a cross-field check
+    (["training.learning_rate=1e-3"], "file"),                        # a good override; the file's error
+])
+def test_config_errors_say_whether_the_file_or_the_command_line_set_the_value(tmp_path, overrides, where):
+    """An error about a value an override set names the command line, not the YAML file (which
+    does not hold it); one about the file's own values names the file."""
+    p = write(tmp_path, "training: {max_steps: 3}\nmodel: {d_model: 100}\n" if where == "file"
+              else "training: {max_steps: 3}\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(p, overrides)
+    msg = str(e.value)
+    assert msg.startswith(f"command line (over {p}): " if where == "command line" else f"{p}: "), msg
+
+
 def test_string_keys_take_an_override_as_written(tmp_path):
     # YAML would read 0100 as the octal 64, 2024_01 as 202401 and on as true: a checkpoint
     # directory or run name given on the command line is the text typed, never a number

@@ -430,14 +430,24 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
             raise ConfigError(f"{path}:{where} invalid YAML ({getattr(e, 'problem', e)})") from None
         if not isinstance(tree, dict):
             raise ConfigError(f"{path}: expected a mapping of sections at the top level")
-    for key, value in parse_overrides(list(overrides)):
+    parsed = parse_overrides(list(overrides))
+    for key, value in parsed:
         _set_path(tree, key, value)
     try:
         cfg = build(Config, tree)
+        check(cfg)
     except ConfigError as e:
-        raise ConfigError(f"{path}: {e}" if path is not None else str(e)) from None
-    check(cfg, path)
+        raise ConfigError(_where(path, [key for key, _ in parsed], str(e))) from None
     return cfg
+
+
+def _where(path, override_keys: list[str], msg: str) -> str:
+    """``msg`` with where its keys were set: the command line when it names a key an override set
+    (the file does not hold that value), else the config file."""
+    named = any(re.search(rf"(?<![\w.]){re.escape(k)}(?![\w])", msg) for k in override_keys)
+    if named:
+        return f"command line{f' (over {path})' if path is not None else ''}: {msg}"
+    return f"{path}: {msg}" if path is not None else msg
 
 
 def config_from_dict(tree: dict) -> Config:
@@ -445,13 +455,12 @@ def config_from_dict(tree: dict) -> Config:
     return build(Config, tree)
 
 
-def check(cfg: Config, path: Any = None) -> None:
+def check(cfg: Config) -> None:
     """Cross-field checks that need no data."""
     t, d = cfg.training, cfg.data
-    src = f"{path}: " if path is not None else ""
 
     def bad(msg: str) -> None:
-        raise ConfigError(src + msg)
+        raise ConfigError(msg)
 
     if d.seq_len < 1:
         bad(f"data.seq_len={d.seq_len} must be positive")

@@ -12,6 +12,7 @@ import contextlib
 import math
 import os
 import random
+import re
 import signal
 import sys
 import threading
@@ -671,6 +672,10 @@ def main(argv: list[str] | None, make_backend, prog: str, entry: str = "torch",
         sys.exit(2)
 
     parser.error = one_line_error
+    argv = list(sys.argv[1:] if argv is None else argv)
+    dashed = next((a for a in argv if re.fullmatch(r"--[A-Za-z_]\w*\.[\w.]+=.*", a)), None)
+    if dashed:  # argparse would call every override after it unrecognised
+        one_line_error(f"{dashed}: overrides take no leading --: {dashed[2:]}")
     args = parser.parse_intermixed_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
