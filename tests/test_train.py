@@ -524,6 +524,18 @@ def test_resume_on_other_data_says_so(tmp_path, stdlib_data):
     assert "data.seq_len" not in r.stderr
     r = run(["train.py", str(cfg), "training.max_steps=5", f"data.dir={other}", "data.seq_len=16"])
     assert r.returncode == 0 and "warning: data.seq_len 32 -> 16: the data position" in r.stderr, r.stderr[-2000:]
+    # data of another tokenizer: every token id stands for other text. Refused in one line, for a
+    # resume and for init_from, and nothing is touched
+    retok = tmp_path / "retok"
+    assert prepare_data.main(["--input", str(src), "--vocab-size", "300", "--val-fraction", "0.05",
+                              "--out", str(retok)]) == 0
+    before = sorted(p.name for p in (tmp_path / "run").iterdir())
+    for extra in (["training.max_steps=6"], ["checkpoint.resume=none", f"checkpoint.init_from={tmp_path / 'run'}",
+                                             f"checkpoint.dir={tmp_path / 'fresh'}"]):
+        r = run(["train.py", str(cfg), f"data.dir={retok}", *extra])
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+        assert "was trained on data of another tokenizer" in r.stderr and f"data.dir={retok}" in r.stderr
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == before
 
 
 def test_resume_from_another_run_directory_takes_its_newest_checkpoint(tmp_path, stdlib_data):

@@ -45,6 +45,20 @@ def data_change_warning(ckpt: dict, data: Path | dict, where: str) -> str | None
     return f"warning: the checkpoint was saved while training on other data (meta.json differs): {where}"
 
 
+def check_same_tokenizer(ckpt: dict, meta: dict, path, data_dir) -> None:
+    """A ``ConfigError`` when the checkpoint at ``path`` was trained on data of another tokenizer
+    than ``data_dir``'s (its meta.json ``meta``): every token id would then stand for other text,
+    and the run would train on that, or resume as if nothing changed. Other changes to the data
+    (more shards, another split) are ``data_change_warning``'s. Checkpoints that record no
+    tokenizer (older ones) pass."""
+    saved, now = (ckpt.get("data") or {}).get("tokenizer_sha256"), meta.get("tokenizer_sha256")
+    if saved and now and saved != now:
+        raise ConfigError(f"{path} was trained on data of another tokenizer (tokenizer.json sha256 "
+                          f"{saved[:12]}...) than data.dir={data_dir} holds ({now[:12]}...): its token ids "
+                          "would mean other text; prepare the data with the run's tokenizer "
+                          "(prepare_data.py --tokenizer DIR of the data it was trained on)")
+
+
 # Shards kept memory-mapped at once by one dataset in one process (each DataLoader worker has its
 # own): a map holds a file descriptor, and mapping every shard ran out of them at ~1,000 shards
 # under the usual limit of 1,024 (100B tokens at the default 100M tokens a shard).

@@ -206,8 +206,9 @@ def model_from_checkpoint(ckpt: dict, where) -> NashMHC:
 
 def load_initial_weights(path: str | Path, warn: Callable[[str], None] = print) -> tuple[Path, dict]:
     """The weights ``checkpoint.init_from`` names, as ``(path, {"model": state_dict, "config":
-    {"model": ...}})``: a Hugging Face Llama directory, a file written by ``export_hf.py
-    --import``, a training checkpoint (file or directory) or a run directory."""
+    {"model": ...}})`` (and a training checkpoint's ``"data"``: what it was trained on): a Hugging
+    Face Llama directory, a file written by ``export_hf.py --import``, a training checkpoint (file
+    or directory) or a run directory."""
     p = Path(path).expanduser()
     if (p / "config.json").is_file():
         cfg, hf = load_llama(p)
@@ -215,7 +216,8 @@ def load_initial_weights(path: str | Path, warn: Callable[[str], None] = print) 
         model.load_state_dict(from_llama_state_dict(hf.state_dict(), cfg))
         return p, {"model": model.state_dict(), "config": {"model": cfg.to_dict()}}
     where, ckpt = load_training_checkpoint(p, warn)
-    return where, {"model": model_from_checkpoint(ckpt, where).state_dict(), "config": ckpt["config"]}
+    return where, {"model": model_from_checkpoint(ckpt, where).state_dict(), "config": ckpt["config"],
+                   "data": ckpt.get("data")}
 
 
 def probe_tokens(vocab_size: int, seq_len: int, seed: int = 0) -> torch.Tensor:

@@ -28,7 +28,8 @@ from model import NashMHC
 from .backend import Backend
 from .checkpoint import FORMAT_VERSION, Checkpointer, CheckpointError, release_run_lock, rng_state, set_rng_state
 from .config import Config, ConfigError, check_data, config_from_dict
-from .data import DataStream, TokenWindows, data_change_warning, data_fingerprint, eval_batches
+from .data import (DataStream, TokenWindows, check_same_tokenizer, data_change_warning, data_fingerprint,
+                   eval_batches)
 from .hf import load_initial_weights
 from .monitor import Monitor, claim_log_dir, info
 from .optim import build_optimizer, lr_at, set_lr
@@ -226,6 +227,7 @@ class Trainer:
             try:
                 init_path, init = load_initial_weights(cfg.checkpoint.init_from, warn=self.log_line)
                 check_resume_compatible(cfg, init, init_path, optimizer=False)
+                check_same_tokenizer(init, self.meta, init_path, cfg.data.dir)
             except (CheckpointError, ConfigError) as e:
                 error = e
             backend.host.raise_together(error, CheckpointError)  # all stop, or none
@@ -241,6 +243,7 @@ class Trainer:
         if resumed is not None:
             ckpt_path, ckpt = resumed
             check_resume_compatible(cfg, ckpt, ckpt_path)
+            check_same_tokenizer(ckpt, self.meta, ckpt_path, cfg.data.dir)
             if t_cfg.total_tokens is not None:
                 step, seen = int(ckpt["step"]), int(ckpt["tokens_seen"])
                 self.max_steps = cfg.resolve_steps(replicas, step, seen)
@@ -507,7 +510,8 @@ class Trainer:
             "format_version": FORMAT_VERSION,
             "step": state.step,
             "tokens_seen": state.tokens_seen,
-            "data": {"epoch": pos[0], "offset": pos[1], "fingerprint": data_fingerprint(self.meta)},
+            "data": {"epoch": pos[0], "offset": pos[1], "fingerprint": data_fingerprint(self.meta),
+                     "tokenizer_sha256": self.meta.get("tokenizer_sha256")},
             "rng": rng_state(),
             "nonfinite": {"total": state.nonfinite_total},
             "config": self.cfg.to_dict(),
