@@ -116,11 +116,23 @@ def test_config_unknown_section(tmp_path):
     ("training: {max_steps: 3, device: gpu}", "training.device='gpu': expected auto, cuda, cuda:N, mps or cpu"),
     ("training: {max_steps: 3, device: 'cuda:abc'}", "training.device='cuda:abc': expected"),
     ("training: {max_steps: 3, dist_timeout_s: 0}", "training.dist_timeout_s=0.0 must be a positive number of seconds"),
+    ("training: {max_steps: 3}\nevaluation: {steps: 0}", "evaluation.steps=0 must be at least 1"),
+    ("training: {max_steps: 3}\nevaluation: {interval: -1}", "evaluation.interval=-1 must be >= 0"),
 ])
 def test_config_bad_values_name_the_key(tmp_path, text, match):
     with pytest.raises(ConfigError, match=match) as e:
         load_config(write(tmp_path, text))
     assert "\n" not in str(e.value)
+
+
+def test_a_relative_data_dir_that_is_not_there_names_the_working_directory(tmp_path, monkeypatch):
+    """The usual cause of a missing relative data.dir is the directory the run was started in."""
+    from training.config import check_data
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as e:
+        check_data(load_config(None, ["training.max_steps=1", "data.dir=data/none"]))
+    assert str(e.value) == (f"data.dir: data/none does not exist, relative to the working directory {tmp_path} "
+                            "(run prepare_data.py first)")
 
 
 def test_config_overrides_are_typed(tmp_path):

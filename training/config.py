@@ -14,6 +14,7 @@ import datetime
 import difflib
 import json
 import math
+import os
 import re
 import types
 import typing
@@ -506,8 +507,10 @@ def check(cfg: Config) -> None:
         bad(f"training.max_nonfinite_steps={t.max_nonfinite_steps} must be at least 1")
     if t.dist_timeout_s is not None and not 0 < t.dist_timeout_s < math.inf:
         bad(f"training.dist_timeout_s={t.dist_timeout_s} must be a positive number of seconds (null: torch's defaults)")
-    if cfg.evaluation.interval < 0 or cfg.evaluation.steps < 1:
-        bad("evaluation.interval must be >= 0 and evaluation.steps >= 1")
+    if cfg.evaluation.interval < 0:
+        bad(f"evaluation.interval={cfg.evaluation.interval} must be >= 0 (0: no evaluation)")
+    if cfg.evaluation.steps < 1:
+        bad(f"evaluation.steps={cfg.evaluation.steps} must be at least 1 (evaluation.interval=0: no evaluation)")
     if cfg.checkpoint.interval < 0:
         bad(f"checkpoint.interval={cfg.checkpoint.interval} must be >= 0")
     if cfg.checkpoint.keep < 1:
@@ -573,7 +576,8 @@ def check_data(cfg: Config) -> dict:
     d = Path(cfg.data.dir).expanduser()
     meta_path = d / "meta.json"
     if not d.is_dir():
-        raise ConfigError(f"data.dir: {d} does not exist (run prepare_data.py first)")
+        rel = "" if d.is_absolute() else f", relative to the working directory {os.getcwd()}"
+        raise ConfigError(f"data.dir: {d} does not exist{rel} (run prepare_data.py first)")
     if not meta_path.is_file():
         raise ConfigError(f"data.dir: {meta_path} not found (is {d} a prepare_data.py output?)")
     try:

@@ -53,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         if new != text:
             print(f"{README} is stale: run python -m training.docs", file=sys.stderr)
             return 1
+        print(f"{README}: the config reference and the 3B plan are up to date")
         return 0
     if new != text:
         README.write_text(new)
