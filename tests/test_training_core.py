@@ -135,6 +135,21 @@ def test_a_relative_data_dir_that_is_not_there_names_the_working_directory(tmp_p
                             "(run prepare_data.py first)")
 
 
+def test_settings_that_do_nothing_are_said():
+    """Legal settings that change nothing in this config, or not what they say, get a warning line
+    at start: a window not below the sequence (full attention), bf16 streams without streams, a
+    token budget below one step."""
+    from training.loop import settings_warnings
+    base = ["training.max_steps=1", "data.seq_len=64", "model.max_seq_len=64"]
+    assert settings_warnings(load_config(None, base + ["model.nash_window=16"]), 256) == []
+    said = settings_warnings(load_config(None, [
+        "training.total_tokens=100", "data.seq_len=64", "model.max_seq_len=64", "model.nash_window=64",
+        "model.mhc_streams=1", "model.stream_dtype=bf16"]), 256)
+    assert [w.split(":")[1].strip() for w in said] == [
+        "model.nash_window=64 is not below data.seq_len=64", "model.stream_dtype=bf16 applies to mHC's streams, and "
+        "model.mhc_streams=1 has none", "training.total_tokens=100 is less than one step's 256 tokens"]
+
+
 def test_config_overrides_are_typed(tmp_path):
     p = write(tmp_path, "training: {max_steps: 3}\n")
     cfg = load_config(p, ["training.learning_rate=1e-3", "training.betas=[0.8,0.9]",

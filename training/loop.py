@@ -142,6 +142,21 @@ def step_seed(seed: int, replica: int, step: int) -> int:
     return int(ss.generate_state(1, np.uint64)[0] >> np.uint64(1))
 
 
+def settings_warnings(cfg: Config, tokens_per_step: int) -> list[str]:
+    """Settings that are legal but do nothing, or not what they say, in this config."""
+    m, t, out = cfg.model, cfg.training, []
+    if m.nash_window and m.nash_window >= cfg.data.seq_len:
+        out.append(f"warning: model.nash_window={m.nash_window} is not below data.seq_len={cfg.data.seq_len}: "
+                   "scale 0 attends to every earlier token, as with nash_window: 0")
+    if m.mhc_streams == 1 and m.stream_dtype != "fp32":
+        out.append(f"warning: model.stream_dtype={m.stream_dtype} applies to mHC's streams, and "
+                   "model.mhc_streams=1 has none: the residual is in the parameters' dtype")
+    if t.total_tokens is not None and t.total_tokens < tokens_per_step:
+        out.append(f"warning: training.total_tokens={t.total_tokens:,} is less than one step's "
+                   f"{tokens_per_step:,} tokens: the run is one step")
+    return out
+
+
 def check_resume_compatible(cfg: Config, ckpt: dict, path: Path, optimizer: bool = True) -> None:
     """The architecture of a checkpoint must match the config's (anything else may change); so
     must the optimizer when its state is to be loaded (``optimizer``; ``init_from`` takes the
@@ -328,6 +343,8 @@ class Trainer:
         if t_cfg.warmup_steps >= self.max_steps:
             self.log_line(f"warning: training.warmup_steps={t_cfg.warmup_steps} is not below the run's "
                           f"{self.max_steps:,} steps: the learning rate rises for the whole run and never decays")
+        for warning in settings_warnings(cfg, self.tokens_per_step):
+            self.log_line(warning)
         e_cfg, global_batch = cfg.evaluation, t_cfg.batch_size * self.replicas
         if len(self.val_ds) // global_batch < e_cfg.steps:
             self.log_line(f"note: evaluation.steps={e_cfg.steps}, but the val split holds "
