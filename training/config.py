@@ -444,11 +444,12 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
 
 def _where(path, override_keys: list[str], msg: str) -> str:
     """``msg`` with where its keys were set: the command line when it names a key an override set
-    (the file does not hold that value), else the config file."""
-    named = any(re.search(rf"(?<![\w.]){re.escape(k)}(?![\w])", msg) for k in override_keys)
-    if named:
-        return f"command line{f' (over {path})' if path is not None else ''}: {msg}"
-    return f"{path}: {msg}" if path is not None else msg
+    (the file does not hold that value), else the config file (no file: the overrides are all)."""
+    if path is None:
+        return msg
+    if any(re.search(rf"(?<![\w.]){re.escape(k)}(?![\w])", msg) for k in override_keys):
+        return f"command line (over {path}): {msg}"
+    return f"{path}: {msg}"
 
 
 def config_from_dict(tree: dict) -> Config:
