@@ -773,13 +773,17 @@ def test_a_shard_one_process_cannot_open_stops_every_process_with_its_reason(tmp
 
 
 @needs_torchrun
-def test_a_bad_batch_on_one_process_stops_every_process_with_its_reason(tmp_path, stdlib_data):
+@pytest.mark.parametrize("accum, bad_step", [(1, 3), (2, 2)])
+def test_a_bad_batch_on_one_process_stops_every_process_with_its_reason(tmp_path, stdlib_data, accum, bad_step):
     """A batch holding a token id past the vocabulary (a corrupt shard) is found by the process
     that reads it; stopping there alone left the other in the step's collectives (a traceback over
     gloo, a wait over nccl). The batch is replaced, the step skipped on every process (the skip is
-    decided on the replicas' mean loss), and all stop at the next decision with its reason."""
+    decided on the replicas' mean loss), and all stop at the next decision with its reason. With
+    accumulation the bad batch is a step's first micro-batch: the device-batch iterator must go on
+    to the next one (a generator ended at the error: "the data loader stopped", and a traceback)."""
     cfg = tiny_config(tmp_path, stdlib_data, **{"training.max_steps": 8, "logging.interval": 1,
-                                                "evaluation.interval": 0, "checkpoint.interval": 0})
+                                                "evaluation.interval": 0, "checkpoint.interval": 0,
+                                                "training.gradient_accumulation_steps": accum})
     _both_stop_with(tmp_path, cfg, "real, calls = data.DataStream.__next__, [0]\n"
                                    "def nxt(self):\n"
                                    "    batch = real(self)\n"
@@ -790,9 +794,9 @@ def test_a_bad_batch_on_one_process_stops_every_process_with_its_reason(tmp_path
                                    "data.DataStream.__next__ = nxt\n",
                     "train_00000.npy: token 5 is id 9999, not below the vocabulary")
     lines = [json.loads(ln) for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in lines] == [1, 2, 3], lines   # stopped at the decision after step 3
-    assert math.isfinite(lines[1]["loss"]) and lines[2]["loss"] == "nan"      # step 3 skipped, on
-    assert (lines[1]["nonfinite_skipped"], lines[2]["nonfinite_skipped"]) == (0, 1)  # every process
+    assert [r["step"] for r in lines] == list(range(1, bad_step + 1)), lines   # stopped at the decision after it
+    assert math.isfinite(lines[-2]["loss"]) and lines[-1]["loss"] == "nan"      # that step skipped, on
+    assert (lines[-2]["nonfinite_skipped"], lines[-1]["nonfinite_skipped"]) == (0, 1)  # every process
 
 
 def test_a_token_budget_resumed_with_another_batch_keeps_its_budget_and_its_schedule(tmp_path, stdlib_data):

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from helpers import (ENV, ROOT, losses, metrics, patched_env, run, run_patched, sigterm_during_step, tiny_config,
-                     wait_for_a_signal_at_step, wait_for_file)
+from helpers import (ENV, ROOT, losses, metrics, patched_env, run, run_patched, script_report, sigterm_during_step,
+                     tiny_config, wait_for_a_signal_at_step, wait_for_file)
 
 pytest.importorskip("torch_xla")
 pytestmark = pytest.mark.xla
@@ -257,10 +257,53 @@ def test_a_bad_batch_read_in_the_loader_thread_is_one_agreed_stop(tmp_path, stdl
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
     # (ddp: xmp.spawn's worker says it, then the launcher that a worker ended)
     assert "\ntrain_xla.py: error: train_00000.npy: token 5 is id 9999, not below the vocabulary\n" in r.stderr
-    # the loader reads ahead: the step that takes the next batch after the refusal is the skipped one
+    # the loader reads ahead, but the error comes up at the refused batch's place: step 3 is the
+    # skipped one (it had been whichever step came after the loader's read, and a good batch lost)
     lines = metrics(tmp_path / "run")
     assert lines[-1]["loss"] == "nan" and lines[-1]["nonfinite_skipped"] == 1, lines
-    assert all(m["loss"] != "nan" for m in lines[:-1]) and lines[-1]["step"] < 8, lines
+    assert all(m["loss"] != "nan" for m in lines[:-1]) and lines[-1]["step"] == 3, lines
+
+
+DEVICE_BATCHES = r"""
+import json, torch, torch_xla
+from training.config import ConfigError
+from training.xla_backend import _DeviceBatches
+
+class Stream:   # batch i is all i; batches 5 and 9 are refused
+    def __init__(self):
+        self.i = 0
+    def __iter__(self):
+        return self
+    def __next__(self):
+        i, self.i = self.i, self.i + 1
+        if i == 14:
+            raise StopIteration
+        if i in (5, 9):
+            raise ConfigError(f"bad batch {i}")
+        return torch.full((2, 4), i), torch.full((2, 4), i)
+    def placeholder(self):
+        return torch.zeros(2, 4, dtype=torch.long), torch.zeros(2, 4, dtype=torch.long)
+
+got = []
+batches = _DeviceBatches(Stream(), torch_xla.device())
+while True:
+    try:
+        got.append(int(next(batches)[0][0, 0].cpu()))
+    except ConfigError as e:
+        got.append(str(e))
+    except StopIteration:
+        break
+batches.close()
+print("REPORT " + json.dumps(got))
+"""
+
+
+def test_a_refused_batch_is_raised_in_its_own_place_whatever_the_loader_read_ahead():
+    """torch_xla's loader thread reads ~24 batches ahead: a refused batch's error is raised when
+    its place comes up, instead of its stand-in, and every good batch arrives in order (it was
+    raised at the next call, early, with a good batch dropped and the stand-in trained on later)."""
+    got = script_report(DEVICE_BATCHES, env={**ENV, "PJRT_DEVICE": "CPU"})
+    assert got == [0, 1, 2, 3, 4, "bad batch 5", 6, 7, 8, "bad batch 9", 10, 11, 12, 13]
 
 
 SIGTERM_DURING_SET_UP = """

@@ -82,8 +82,7 @@ class Backend:
 
     def batches(self, iterable: Iterable) -> Iterator:
         """An iterator of batches already on the device."""
-        for x, y in iterable:
-            yield x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        return OnDevice(iterable, self.device, non_blocking=True)
 
     def close_batches(self, batches: Iterator) -> None:
         """Stop an iterator from ``batches`` (background prefetching, if any)."""
@@ -247,6 +246,27 @@ class Backend:
 
     def shutdown(self) -> None:
         pass
+
+
+class OnDevice:
+    """``iterable``'s ``(x, y)`` batches moved to ``device`` (through pinned memory with ``pin``,
+    asynchronously with ``non_blocking``, which defaults to ``pin``).
+    An error one batch raises (the stream's ``ConfigError`` for a token id past the vocabulary)
+    passes through, and the next call goes on with the next batch, as the stream itself does: a
+    generator here ended at the error, so the loop's next micro-batch found the stream over."""
+
+    def __init__(self, iterable: Iterable, device: torch.device, pin: bool = False, non_blocking: bool | None = None):
+        self._it, self.device, self.pin = iter(iterable), device, pin
+        self.non_blocking = pin if non_blocking is None else non_blocking
+
+    def __iter__(self) -> "OnDevice":
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = next(self._it)
+        if self.pin:
+            x, y = x.pin_memory(), y.pin_memory()
+        return x.to(self.device, non_blocking=self.non_blocking), y.to(self.device, non_blocking=self.non_blocking)
 
 
 def fused_adamw(groups, **kw):
@@ -454,11 +474,7 @@ class TorchBackend(Backend):
         return None  # MPS: the tensor-op AdamW of training.optim
 
     def batches(self, iterable):
-        pin = self.device.type == "cuda"
-        for x, y in iterable:
-            if pin:
-                x, y = x.pin_memory(), y.pin_memory()
-            yield x.to(self.device, non_blocking=pin), y.to(self.device, non_blocking=pin)
+        return OnDevice(iterable, self.device, pin=self.device.type == "cuda")
 
     def no_sync(self, model: nn.Module, last_micro_step: bool):
         # FSDP2 reduce-scatters every micro-step: the accumulated gradient stays sharded.

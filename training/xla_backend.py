@@ -337,14 +337,17 @@ class _DeviceBatches:
     """Batches uploaded to the device by a background thread: torch_xla's ``ParallelLoader``, as
     ``MpDeviceLoader`` uses it, with a ``close`` that stops the prefetching.
 
-    The host batches are read in the loader's thread, where a ``ConfigError`` of the stream (a
-    token id past the vocabulary) would end the thread and the stream with a traceback. It is kept
-    instead (``_standing_in``) and raised by the next ``__next__`` here, on the training thread,
-    where the loop skips that step on every process and agrees on the stop (``Trainer.train_step``)."""
+    The host batches are read in the loader's thread (up to ~24 ahead), where a ``ConfigError``
+    of the stream (a token id past the vocabulary) would end the thread and the stream with a
+    traceback. It is kept instead with the place of the batch it spoiled (``_standing_in``), and
+    raised here, on the training thread, when that place comes up, in place of its stand-in: the
+    loop then skips that step on every process and agrees on the stop (``Trainer.train_step``), as
+    with the torch backends' batches. (Raised at the next call, it came ~20 batches early and took
+    a good batch with it, and the stand-in was later trained on as if it were that batch.)"""
 
     def __init__(self, iterable, device, **kw):
-        self._errors: list = []
-        self._raised = False
+        self._errors: list = []      # (place, error), appended by the loader's thread
+        self._taken = 0
         self._loader = pl.ParallelLoader(_standing_in(iterable, self._errors), [device], **kw)
         self._it = self._loader.per_device_loader(device)
 
@@ -355,13 +358,12 @@ class _DeviceBatches:
         try:
             batch = next(self._it)
         except StopIteration:
-            if self._errors and not self._raised:
-                self._raised = True
-                raise self._errors[0] from None
+            if self._errors:   # the stream ended at an error with nothing to stand in for it
+                raise self._errors.pop(0)[1] from None
             raise
-        if self._errors and not self._raised:
-            self._raised = True
-            raise self._errors[0]
+        place, self._taken = self._taken, self._taken + 1
+        if self._errors and self._errors[0][0] == place:   # recorded before its stand-in was queued
+            raise self._errors.pop(0)[1]
         return batch
 
     def close(self) -> None:
@@ -369,17 +371,17 @@ class _DeviceBatches:
 
 
 def _standing_in(iterable, errors: list):
-    """``iterable``'s batches; one it refuses with a ``ConfigError`` is recorded in ``errors`` and
-    replaced by the batch before it (or the stream's ``placeholder()``), so the device batches
-    keep their count, shapes and input sharding."""
+    """``iterable``'s batches; one it refuses with a ``ConfigError`` is recorded in ``errors`` as
+    ``(its place, the error)`` and replaced by the batch before it (or the stream's
+    ``placeholder()``), so the device batches keep their count, shapes and input sharding."""
     it, last = iter(iterable), None
-    while True:
+    for place in itertools.count():
         try:
             batch = next(it)
         except StopIteration:
             return
         except ConfigError as e:
-            errors.append(e)
+            errors.append((place, e))
             if last is None and not hasattr(iterable, "placeholder"):
                 return
             batch = last if last is not None else iterable.placeholder()
