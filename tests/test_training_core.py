@@ -780,6 +780,46 @@ def test_rotation_keeps_the_newest(tmp_path):
     assert not list(tmp_path.glob(".*tmp*"))
 
 
+def test_rotation_removes_a_linked_checkpoint_not_what_it_points_to(tmp_path):
+    """A checkpoint of another run linked into this run's directory (to resume from it) is rotated
+    away as a link: the other run's checkpoint keeps its files and its commit marker (through
+    the link, rotation deleted that marker, and the other run's next start deleted the rest as
+    an unfinished save)."""
+    from training.checkpoint import MARKER
+    other, run = tmp_path / "other", tmp_path / "run"
+    theirs = other / "ckpt_00000010"
+    theirs.mkdir(parents=True)
+    (theirs / MARKER).write_text("{}")
+    (theirs / "__0_0.distcp").write_bytes(b"shard")
+    run.mkdir()
+    (run / "ckpt_00000010").symlink_to(theirs, target_is_directory=True)
+    atomic_torch_save(_ckpt(20), checkpoint_path(run, 20))
+    assert rotate(run, keep=1) == [run / "ckpt_00000010"]
+    assert not (run / "ckpt_00000010").exists() and sorted(p.name for p in theirs.iterdir()) == ["__0_0.distcp", MARKER]
+
+
+def test_a_checkpoint_rotation_cannot_delete_is_a_warning_and_the_rest_still_go(tmp_path, monkeypatch):
+    """A bucket that takes new objects but refuses deletes: the save that committed stays good,
+    the run goes on with a warning (each save had stopped the run as failed), and the other old
+    checkpoints are still deleted."""
+    for s in (10, 20, 30, 40):
+        atomic_torch_save(_ckpt(s), checkpoint_path(tmp_path, s))
+    stuck, unlink = checkpoint_path(tmp_path, 10), Path.unlink
+
+    def refuse(self, missing_ok=False):
+        if self == stuck:
+            raise PermissionError(1, "Operation not permitted", str(self))
+        return unlink(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", refuse)
+    said = []
+    assert rotate(tmp_path, keep=1, warn=said.append) == [checkpoint_path(tmp_path, 20), checkpoint_path(tmp_path, 30)]
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [10, 40]
+    assert len(said) == 1 and said[0].startswith(f"warning: cannot delete {stuck} (checkpoint.keep=1)")
+    with pytest.raises(PermissionError):
+        rotate(tmp_path, keep=1)
+
+
 def test_corrupt_newest_falls_back_to_previous(tmp_path):
     atomic_torch_save(_ckpt(10), checkpoint_path(tmp_path, 10))
     atomic_torch_save(_ckpt(20), checkpoint_path(tmp_path, 20))

@@ -453,18 +453,25 @@ def consolidate(src: str | Path, out: str | Path, model_only: bool = False,
 # -- rotation and clean-up (master only) ----------------------------------------------------------
 
 def _delete(path: Path) -> None:
-    """Uncommit first (a crash half-way leaves an uncommitted directory, which is ignored)."""
-    if path.is_dir():
+    """Uncommit first (a crash half-way leaves an uncommitted directory, which is ignored). A
+    symlink (a checkpoint of another run linked in to resume from) is removed, never what it
+    points to: through it, the other run's marker went and its next start deleted the checkpoint."""
+    if path.is_symlink():
+        path.unlink()
+    elif path.is_dir():
         (path / MARKER).unlink(missing_ok=True)
         shutil.rmtree(path, ignore_errors=True)
     else:
         path.unlink(missing_ok=True)
 
 
-def rotate(run_dir: str | Path, keep: int, newest: int | None = None) -> list[Path]:
+def rotate(run_dir: str | Path, keep: int, newest: int | None = None,
+           warn: Callable[[str], None] | None = None) -> list[Path]:
     """Delete committed checkpoints older than ``newest`` (default: the newest committed) beyond
     the ``keep`` newest, and unfinished saves older than it; return what was deleted. The master
-    calls it after a commit: nothing older than that commit is still being written."""
+    calls it after a commit: nothing older than that commit is still being written. With ``warn``,
+    one that cannot be deleted (a bucket that takes new objects but refuses deletes) is said
+    there and the others still go; without, the error is raised."""
     entries = _entries(Path(run_dir))
     committed = [(s, p) for s, p, ok in entries if ok]
     if newest is None:
@@ -474,9 +481,17 @@ def rotate(run_dir: str | Path, keep: int, newest: int | None = None) -> list[Pa
     older = [p for s, p in committed if s < newest]
     doomed = older[:max(0, len(older) - (keep - 1))] if keep > 0 else []
     doomed += [p for s, p, ok in entries if not ok and s < newest]
+    deleted = []
     for p in doomed:
-        _delete(p)
-    return doomed
+        try:
+            _delete(p)
+            deleted.append(p)
+        except OSError as e:
+            if warn is None:
+                raise
+            warn(f"warning: cannot delete {p} (checkpoint.keep={keep}): {e.strerror or e}; "
+                 "the run goes on, and the next save tries again")
+    return deleted
 
 
 def clean_uncommitted(run_dir: str | Path) -> list[Path]:
@@ -843,7 +858,7 @@ class Checkpointer:
 
     def rotate(self, newest: int | None = None) -> list[Path]:
         """The master deletes committed checkpoints older than ``newest`` beyond ``keep``."""
-        return rotate(self.run_dir, self.keep, newest) if self.backend.is_master else []
+        return rotate(self.run_dir, self.keep, newest, warn=self.log) if self.backend.is_master else []
 
 
 def _jsonable(obj):
