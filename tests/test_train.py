@@ -843,6 +843,43 @@ FileSystemWriter.write_data = full
 """
 
 
+ASYNC_SAVE_FAILS_AT_STEP_6 = """
+import errno, threading, time
+from training import checkpoint
+from training.loop import Trainer
+save, go = checkpoint.atomic_torch_save, threading.Event()
+def full(obj, path):   # step 6's save fails once step 8 has begun, whatever the machine's load
+    if "ckpt_00000006" in str(path):
+        go.wait(300)
+        raise OSError(errno.ENOSPC, "No space left on device")
+    return save(obj, path)
+checkpoint.atomic_torch_save = full
+train_step = Trainer.train_step
+def step_once_the_save_failed(self, lr):
+    if self.state.step == 7:   # step 8 begins: let the save fail, and wait until it has
+        go.set()
+        give_up = time.monotonic() + 300
+        while not self.checkpointer.failed() and time.monotonic() < give_up:
+            time.sleep(0.01)
+    return train_step(self, lr)
+Trainer.train_step = step_once_the_save_failed
+"""
+
+
+def test_a_failed_asynchronous_save_stops_the_run_at_the_next_decision(tmp_path, stdlib_data):
+    """checkpoint.async: the writer thread's failure (a full disk at step 6's save) is taken at the
+    next decision, after step 8, with its reason in one line; it had waited for the next save
+    (step 9 here, an interval later: hours of training on a large run), and a SIGTERM in between
+    ended the run with that error and no save."""
+    cfg = tiny_config(tmp_path, stdlib_data, **{"training.max_steps": 12, "checkpoint.interval": 3,
+                                                "checkpoint.async": True, "evaluation.interval": 0})
+    r = run_patched(tmp_path, ASYNC_SAVE_FAILS_AT_STEP_6, ["train.py", str(cfg)])
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert "saving a checkpoint failed ([Errno 28] No space left on device" in r.stderr
+    assert [m["step"] for m in metrics(tmp_path / "run")] == list(range(1, 9))
+    assert sorted(p.name for p in (tmp_path / "run").glob("ckpt_*")) == ["ckpt_00000003.pt"]
+
+
 @needs_torchrun
 def test_a_sharded_save_whose_shards_fail_says_why_and_leaves_no_shards(tmp_path, stdlib_data):
     """A DCP save that fails while the shards are written (rank 1's disk is full): every process

@@ -827,6 +827,10 @@ class Checkpointer:
             return
         self._raise()
 
+    def failed(self) -> bool:
+        """Whether an asynchronous save has ended with an error not yet raised (``wait`` raises it)."""
+        return self._error is not None and (self._thread is None or not self._thread.is_alive())
+
     def _raise(self) -> None:
         """Raise a failed save's error on every process, decided together (every process calls
         this at the same points): a master that failed alone would exit while the others waited

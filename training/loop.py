@@ -503,11 +503,14 @@ class Trainer:
         (then, before), interval = self.last_decision, 1
         if step > before:
             interval = decision_interval((now - then) / (step - before), self.cfg.logging.interval)
-        nonfinite, signalled, fewest, bad_data = self.backend.max_across(
-            self.stop_nonfinite, STOP.requested, -interval, self.data_error is not None)
+        nonfinite, signalled, fewest, bad_data, save_failed = self.backend.max_across(
+            self.stop_nonfinite, STOP.requested, -interval, self.data_error is not None,
+            self.checkpointer.failed())
         self.last_decision, self.next_decision = (now, step), step - fewest
         if bad_data:   # every process takes part: the failing one's reason for all
             self.backend.host.raise_together(self.data_error, ConfigError)
+        if save_failed:  # an asynchronous save that failed: said now, not at the next save an interval on
+            self.checkpointer.wait()
         if nonfinite:
             return "nonfinite"
         if signalled:
