@@ -524,6 +524,11 @@ def test_resume_on_other_data_says_so(tmp_path, stdlib_data):
     assert "data.seq_len" not in r.stderr
     r = run(["train.py", str(cfg), "training.max_steps=5", f"data.dir={other}", "data.seq_len=16"])
     assert r.returncode == 0 and "warning: data.seq_len 32 -> 16: the data position" in r.stderr, r.stderr[-2000:]
+    assert "training.seed" not in r.stderr
+    # another seed: the epoch's order (drawn from the seed) changes under the saved position
+    r = run(["train.py", str(cfg), "training.max_steps=6", f"data.dir={other}", "data.seq_len=16", "training.seed=8"])
+    assert r.returncode == 0 and "warning: training.seed 7 -> 8: epoch 0 is drawn in another order" in r.stderr, \
+        r.stderr[-2000:]
     # data of another tokenizer: every token id stands for other text. Refused in one line, for a
     # resume and for init_from, and nothing is touched
     retok = tmp_path / "retok"

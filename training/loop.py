@@ -374,6 +374,14 @@ class Trainer:
                           f"counts windows of {saved_len} tokens, so training goes on at sample "
                           f"{state.offset} of epoch {state.epoch} in the order of the new windows, "
                           "not where the run stopped")
+        try:
+            saved_seed = int(ckpt["config"]["training"]["seed"])
+        except (KeyError, TypeError, ValueError):
+            saved_seed = self.cfg.training.seed
+        if saved_seed != self.cfg.training.seed:  # the epochs' order is drawn from the seed
+            self.log_line(f"warning: training.seed {saved_seed} -> {self.cfg.training.seed}: epoch "
+                          f"{state.epoch} is drawn in another order, so its remaining samples are not "
+                          "the ones the run had left (some come twice, some not at all)")
 
     def tokens_at(self, step: int) -> int:
         return self.start_tokens + (step - self.start_step) * self.tokens_per_step
