@@ -729,6 +729,12 @@ def test_a_checkpoint_whose_tensors_do_not_load_is_one_line(tmp_path, stdlib_dat
     assert r.stderr.strip().splitlines()[-1] == (
         f"train.py: error: {ckpt}: cannot be loaded (RuntimeError: storage bytes do not decode); "
         "move it out of checkpoint.dir (resume: auto then takes the one before it)")
+    # one outside checkpoint.dir (resume: PATH): moving it out of checkpoint.dir is no advice
+    r = run_patched(tmp_path, UNLOADABLE_TENSORS, ["train.py", cfg, "training.max_steps=4", f"checkpoint.resume={ckpt}",
+                                                   f"checkpoint.dir={tmp_path / 'elsewhere'}"])
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == (
+        f"train.py: error: {ckpt}: cannot be loaded (RuntimeError: storage bytes do not decode); "
+        "check that it is whole and still there, or resume from another checkpoint"), r.stderr[-3000:]
 
 
 @needs_torchrun

@@ -721,9 +721,10 @@ class Checkpointer:
         except (DCPCheckpointException, OSError, RuntimeError, ValueError, KeyError) as e:
             # what unreadable shards (DCP gathers every reader's failure) or a state that does
             # not fit the model raise
-            error = CheckpointError(f"{path}: cannot be loaded ({type(e).__name__}: {first_line(e)}); "
-                                    "move it out of checkpoint.dir (resume: auto then takes the one "
-                                    "before it)")
+            inside = Path(path).resolve().parent == self.run_dir.resolve()
+            advice = ("move it out of checkpoint.dir (resume: auto then takes the one before it)" if inside
+                      else "check that it is whole and still there, or resume from another checkpoint")
+            error = CheckpointError(f"{path}: cannot be loaded ({type(e).__name__}: {first_line(e)}); {advice}")
         self.backend.host.raise_together(error, CheckpointError)  # all stop, or none
 
     # -- save --------------------------------------------------------------------------------
