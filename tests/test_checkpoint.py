@@ -517,6 +517,33 @@ def test_the_run_lock_dies_with_the_master_not_with_its_forked_workers(tmp_path)
         os.kill(worker, signal.SIGKILL)
 
 
+def test_a_probe_left_by_a_killed_run_is_removed_under_the_lock(tmp_path):
+    """Start-up probes of a run killed during its start are cleaned up, once the run directory's
+    lock is held: before it, a second launch could delete a live run's probe (its other
+    processes then refused the directory as not shared). Refused, a launch removes nothing."""
+    from training.checkpoint import release_run_lock
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / ".shared-probe-0123abcd").write_text("{}")
+    model, opt, backend, ck = _setup(False, run_dir=run_dir)
+    try:
+        ck.find("auto")
+        assert not list(run_dir.glob(".shared-probe-*"))
+        (run_dir / ".shared-probe-live").write_text("{}")   # another launch's, while this run holds the lock
+        child = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
+            from training.backend import TorchBackend
+            from training.checkpoint import Checkpointer, CheckpointError
+            try:
+                Checkpointer({str(run_dir)!r}, 2, TorchBackend("cpu"), log=print).find("auto")
+            except CheckpointError as e:
+                print("refused:", e)
+            """)], cwd=ROOT, env={**ENV, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120)
+        assert "refused:" in child.stdout and "another run is using it" in child.stdout, child.stderr[-2000:]
+        assert (run_dir / ".shared-probe-live").exists()
+    finally:
+        release_run_lock(run_dir)
+
+
 def test_a_collective_refusal_without_a_message_still_refuses():
     """``raise_together`` took an error whose text is empty for no error: nobody raised."""
     from training.distributed import HostGroup

@@ -629,6 +629,10 @@ class Checkpointer:
                     fd = os.open(self.run_dir / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
                     fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                     _RUN_LOCKS[key], fd = fd, None
+                    # probes left by a run killed here: removed under the lock, never another
+                    # launch's live one (this run's own is gone already)
+                    for old in self.run_dir.glob(".shared-probe-*"):
+                        old.unlink(missing_ok=True)
                 except OSError as e:  # held (EAGAIN, EACCES), or no locks here (ENOLCK, ENOTSUP)
                     if e.errno in (errno.EAGAIN, errno.EACCES):
                         error = CheckpointError(
@@ -654,8 +658,6 @@ class Checkpointer:
             token = secrets.token_hex(8)
             try:
                 self.run_dir.mkdir(parents=True, exist_ok=True)
-                for old in self.run_dir.glob(".shared-probe-*"):  # left by a run killed here
-                    old.unlink(missing_ok=True)
                 atomic_write_json({"token": token}, self.run_dir / f".shared-probe-{token}")
             except OSError as e:  # said on every process: the others wait in the gather below
                 token = f"!{first_line(e)}"

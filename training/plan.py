@@ -43,9 +43,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from model import ModelConfig, NashMHC
 
+from .backend import fused_adamw
 from .config import Config, ConfigError, check_xla
 from .monitor import TPU_DEVICE_KINDS, peak_flops_for
-from .backend import fused_adamw
 from .optim import AdamW, build_optimizer
 from .sharding import param_partition_spec, shard_factor, state_partition_spec
 
