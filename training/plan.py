@@ -1098,7 +1098,8 @@ def find_levers(plan: Plan, entry: str, train_trace: Trace) -> list[Lever]:
         # where the activations are
         fsdp_cfg = _with(cfg, training={"fsdp": True})
         fsdp_layout = layout_for(fsdp_cfg, entry, layout.chips)
-        fsdp_traces = trace_step(fsdp_cfg, fsdp_layout, device), trace_step(fsdp_cfg, fsdp_layout, device, evaluation=True)
+        fsdp_traces = (trace_step(fsdp_cfg, fsdp_layout, device),
+                       trace_step(fsdp_cfg, fsdp_layout, device, evaluation=True))
         fsdp_peak = max(peak_of(fsdp_traces[0], fsdp_layout).total, peak_of(fsdp_traces[1], fsdp_layout).total)
         if fsdp_peak <= 0.95 * peak:
             cfg, layout, (train_trace, eval_trace), peak = fsdp_cfg, fsdp_layout, fsdp_traces, fsdp_peak
