@@ -167,8 +167,9 @@ def _checked(name: str, value, tp):
     choices = typing.get_args(tp)  # Literal
     if value in choices:
         return value
-    close = difflib.get_close_matches(str(value), choices, n=1)
-    hint = f" (did you mean '{close[0]}'?)" if close else ""
+    spelled = {str(c).lower(): c for c in choices}  # case-blind: Nash is one key from nash
+    close = difflib.get_close_matches(str(value).lower(), list(spelled), n=1)
+    hint = f" (did you mean '{spelled[close[0]]}'?)" if close else ""
     raise ValueError(f"{name}={value!r} is not one of {', '.join(choices)}{hint}")
 
 

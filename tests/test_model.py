@@ -52,6 +52,7 @@ def test_defaults_are_the_demo_model():
     (dict(mhc_streams=0), "mhc_streams=0"),
     (dict(mhc_streams=7, mhc_lite=True), "mhc_lite=true needs mhc_streams <= 6"),
     (dict(aggregation="nahs"), "aggregation='nahs' is not one of nash, convex, mean (did you mean 'nash'?)"),
+    (dict(aggregation="NASH"), "aggregation='NASH' is not one of nash, convex, mean (did you mean 'nash'?)"),
     (dict(nash_pool="max"), "nash_pool='max' is not one of mean, learned"),
     (dict(d_model="128"), "d_model must be an integer"),
     (dict(n_layers=2.5), "n_layers must be an integer"),

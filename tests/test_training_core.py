@@ -113,6 +113,7 @@ def test_config_unknown_section(tmp_path):
     ("training: {max_steps: 3, betas: [0.9, 0.95, 0.99]}", r"got \[0.9, 0.95, 0.99\]$"),
     ("training: {max_steps: {steps: 10}}", r"training.max_steps: expected int or null, got \{'steps': 10\}$"),
     ("logging: {wandb: {mode: off}}\ntraining: {max_steps: 3}", "logging.wandb.mode: 'off' is not one of"),
+    ("training: {max_steps: 3}\nxla: {mode: DDP}", r"xla.mode: 'DDP' is not one of 'ddp', 'spmd' \(did you mean 'ddp'\?\)$"),
     ("training: {max_steps: 3, device: gpu}", "training.device='gpu': expected auto, cuda, cuda:N, mps or cpu"),
     ("training: {max_steps: 3, device: 'cuda:abc'}", "training.device='cuda:abc': expected"),
     ("training: {max_steps: 3, dist_timeout_s: 0}", "training.dist_timeout_s=0.0 must be a positive number of seconds"),
@@ -148,6 +149,30 @@ def test_settings_that_do_nothing_are_said():
     assert [w.split(":")[1].strip() for w in said] == [
         "model.nash_window=64 is not below data.seq_len=64", "model.stream_dtype=bf16 applies to mHC's streams, and "
         "model.mhc_streams=1 has none", "training.total_tokens=100 is less than one step's 256 tokens"]
+    # a model vocabulary more than twice the data's: most of the embedding never sees a token
+    vocab = ["model.vocab_size=4096", "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=4",
+             "model.nash_window=16"]
+    assert settings_warnings(load_config(None, base + vocab), 256, data_vocab=2048) == []
+    said = settings_warnings(load_config(None, base + vocab + ["data.dir=d"]), 256, data_vocab=2000)
+    assert said == ["warning: model.vocab_size=4,096 is 2.0x the data's vocabulary (2,000 in d): 2,096 token "
+                    "ids never occur (0.1M weights trained only towards zero probability); set model.vocab_size "
+                    "to the data's (or a multiple of 64 just above it)"]
+
+
+def test_a_changed_architecture_is_refused_in_the_config_file_spelling():
+    """Resuming with another architecture names each changed key with its values as one writes them
+    in YAML (true/false, not Python's True/False); dropout and friends may change."""
+    from training.loop import check_resume_compatible
+    saved = load_config(None, ["training.max_steps=1", "model.mhc_lite=true", "model.dropout=0.0"])
+    ckpt = {"config": saved.to_dict()}
+    now = load_config(None, ["training.max_steps=1", "model.mhc_lite=false", "model.n_layers=3",
+                             "model.dropout=0.1"])
+    with pytest.raises(CheckpointError) as e:
+        check_resume_compatible(now, ckpt, Path("ck.pt"))
+    assert str(e.value) == (f"ck.pt: model config differs from the checkpoint's (model.n_layers: "
+                            f"{saved.model.n_layers} -> 3; model.mhc_lite: true -> false)")
+    check_resume_compatible(load_config(None, ["training.max_steps=1", "model.mhc_lite=true",
+                                               "model.dropout=0.1"]), ckpt, Path("ck.pt"))
 
 
 def test_config_overrides_are_typed(tmp_path):

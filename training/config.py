@@ -205,6 +205,18 @@ class Config:
 # ----------------------------------------------------------------------------------------------
 # Building dataclasses from plain data, strictly.
 
+def yaml_value(v: Any) -> str:
+    """A config value as a message shows it, in YAML's spelling (true, null, [1, 2]), so that it
+    reads as what one writes in a config file or override, not as Python's True or None."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if v is None:
+        return "null"
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(yaml_value(x) for x in v) + "]"
+    return repr(v)
+
+
 def _to_plain(obj: Any) -> Any:
     if dataclasses.is_dataclass(obj):
         return {_key(f): _to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
@@ -304,8 +316,10 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if origin is Literal:
         choices = typing.get_args(tp)
         if value not in choices:
-            hint = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
-            extra = f" (did you mean {hint[0]!r}?)" if hint else ""
+            # case-blind: DDP and Spmd are one key away from ddp and spmd
+            spelled = {str(c).lower(): c for c in choices}
+            hint = difflib.get_close_matches(str(value).lower(), list(spelled), n=1)
+            extra = f" (did you mean {spelled[hint[0]]!r}?)" if hint else ""
             raise ConfigError(f"{key}: {value!r} is not one of {', '.join(map(repr, choices))}{extra}")
         return value
     if origin is tuple:

@@ -27,7 +27,7 @@ from model import NashMHC
 
 from .backend import Backend
 from .checkpoint import FORMAT_VERSION, Checkpointer, CheckpointError, release_run_lock, rng_state, set_rng_state
-from .config import Config, ConfigError, check_data, config_from_dict
+from .config import Config, ConfigError, check_data, config_from_dict, yaml_value
 from .data import (DataStream, TokenWindows, check_same_tokenizer, data_change_warning, data_fingerprint,
                    eval_batches)
 from .hf import load_initial_weights
@@ -142,9 +142,17 @@ def step_seed(seed: int, replica: int, step: int) -> int:
     return int(ss.generate_state(1, np.uint64)[0] >> np.uint64(1))
 
 
-def settings_warnings(cfg: Config, tokens_per_step: int) -> list[str]:
-    """Settings that are legal but do nothing, or not what they say, in this config."""
+def settings_warnings(cfg: Config, tokens_per_step: int, data_vocab: int | None = None) -> list[str]:
+    """Settings that are legal but do nothing, or not what they say, in this config (``data_vocab``:
+    the data's vocabulary, from its meta.json)."""
     m, t, out = cfg.model, cfg.training, []
+    if data_vocab is not None and m.vocab_size > 2 * data_vocab:
+        unused = m.vocab_size - data_vocab
+        weights = unused * m.d_model * (1 if m.tie_embeddings else 2)
+        out.append(f"warning: model.vocab_size={m.vocab_size:,} is {m.vocab_size / data_vocab:.1f}x the data's "
+                   f"vocabulary ({data_vocab:,} in {cfg.data.dir}): {unused:,} token ids never occur "
+                   f"({weights / 1e6:,.1f}M weights trained only towards zero probability); set "
+                   f"model.vocab_size to the data's (or a multiple of 64 just above it)")
     if m.nash_window and m.nash_window >= cfg.data.seq_len:
         out.append(f"warning: model.nash_window={m.nash_window} is not below data.seq_len={cfg.data.seq_len}: "
                    "scale 0 attends to every earlier token, as with nash_window: 0")
@@ -166,7 +174,7 @@ def check_resume_compatible(cfg: Config, ckpt: dict, path: Path, optimizer: bool
     except (ConfigError, KeyError) as e:
         raise CheckpointError(f"{path}: stored config unreadable ({e})") from None
     if saved != cfg.model:
-        diff = [f"model.{k}: {getattr(saved, k)!r} -> {getattr(cfg.model, k)!r}"
+        diff = [f"model.{k}: {yaml_value(getattr(saved, k))} -> {yaml_value(getattr(cfg.model, k))}"
                 for k in cfg.model.__dataclass_fields__ if getattr(saved, k) != getattr(cfg.model, k)]
         structural = [d for d in diff if not d.startswith(("model.dropout", "model.activation_checkpointing",
                                                            "model.loss_chunk"))]
@@ -343,7 +351,7 @@ class Trainer:
         if t_cfg.warmup_steps >= self.max_steps:
             self.log_line(f"warning: training.warmup_steps={t_cfg.warmup_steps} is not below the run's "
                           f"{self.max_steps:,} steps: the learning rate rises for the whole run and never decays")
-        for warning in settings_warnings(cfg, self.tokens_per_step):
+        for warning in settings_warnings(cfg, self.tokens_per_step, self.meta["vocab_size"]):
             self.log_line(warning)
         e_cfg, global_batch = cfg.evaluation, t_cfg.batch_size * self.replicas
         if len(self.val_ds) // global_batch < e_cfg.steps:
