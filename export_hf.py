@@ -88,7 +88,9 @@ def export_tokenizer_files(spec: TokenizerSpec, max_seq_len: int) -> dict[str, b
     for the model: padding on the left (generate() appends to every row's end, so right padding
     would put pad tokens in the middle of a row) and truncation on the left too (sample.py keeps a
     long prompt's last tokens), model_max_length = the model's max_seq_len (truncation=True then
-    cuts where the model stops; the default is no limit), and a tokenizer without a pad token (an
+    cuts where the model stops; the default is no limit), split_special_tokens on (a literal
+    "<|endoftext|>" in a text is text, as in the training documents: prepare_data.py's
+    ``as_document_encoder``), and a tokenizer without a pad token (an
     imported one, e.g. Llama's) padding with its end-of-text token, as the exported generation
     config does: without one, ``tokenizer(texts, padding=True)`` is an error."""
     files = dict(spec.hf_files)
@@ -101,7 +103,7 @@ def export_tokenizer_files(spec: TokenizerSpec, max_seq_len: int) -> dict[str, b
         files["tokenizer.json"] = spec.json_text.encode()
     config = json.loads(files["tokenizer_config.json"])
     config.update(padding_side="left", truncation_side="left", model_max_length=max_seq_len,
-                  add_bos_token=False, add_eos_token=False)
+                  add_bos_token=False, add_eos_token=False, split_special_tokens=True)
     if spec.pad is None and not config.get("pad_token"):
         config["pad_token"] = spec.eos
         specials = json.loads(files.get("special_tokens_map.json", b"null"))

@@ -497,8 +497,10 @@ class TokenizerSpec:
         # two files load with AutoTokenizer in transformers 4.x and 5.x.
         specials = {k: v for k, v in (("bos_token", self.bos), ("eos_token", self.eos),
                                       ("pad_token", self.pad)) if v is not None}
-        config = {"tokenizer_class": "PreTrainedTokenizerFast", **specials,
-                  "clean_up_tokenization_spaces": False, "add_bos_token": False, "add_eos_token": False}
+        # split_special_tokens: a literal "<|endoftext|>" in a text is text, as in the documents
+        # (as_document_encoder), not the end-of-text id that only ever stood between them
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", **specials, "clean_up_tokenization_spaces": False,
+                  "add_bos_token": False, "add_eos_token": False, "split_special_tokens": True}
         return {"tokenizer_config.json": (json.dumps(config, indent=2) + "\n").encode(),
                 "special_tokens_map.json": (json.dumps(specials, indent=2) + "\n").encode()}
 

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 import yaml
 
 import export_hf
+from prepare_data import as_document_encoder
 from model import ModelConfig, NashMHC
 from training.checkpoint import (FORMAT_VERSION, CheckpointError, atomic_torch_save, checkpoint_path,
                                  load_checkpoint)
@@ -116,6 +117,11 @@ def test_baseline_exports_as_plain_llama(tmp_path, stdlib_data, capsys):
     text = "def f(x):\n    return x + 1\n"
     assert tok(text)["input_ids"] == Tokenizer.from_file(str(stdlib_data / "tokenizer.json")).encode(text).ids
     meta = json.loads((stdlib_data / "meta.json").read_text())
+    # a literal end-of-text in a text is text, as in the training documents (never the id itself)
+    text = "x = '<|endoftext|>'\n"
+    ids = tok(text)["input_ids"]
+    assert meta["eos_id"] not in ids and tok.decode(ids) == text
+    assert ids == as_document_encoder(Tokenizer.from_file(str(stdlib_data / "tokenizer.json"))).encode(text).ids
     gen = GenerationConfig.from_pretrained(out)
     assert tok.eos_token_id == config["eos_token_id"] == gen.eos_token_id == meta["eos_id"]
     assert tok.pad_token_id == config["pad_token_id"] == gen.pad_token_id == meta["pad_id"]

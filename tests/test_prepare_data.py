@@ -174,7 +174,9 @@ def test_autotokenizer_matches_trained_tokenizer(stdlib_data):
     assert (hf.eos_token_id, hf.bos_token_id, hf.pad_token_id) == (meta["eos_id"], meta["bos_id"], meta["pad_id"])
     assert hf.eos_token == "<|endoftext|>" and hf.pad_token == "<|pad|>"
     assert len(hf) == meta["vocab_size"] == 512
-    texts = sorted(source_documents([STDLIB / "json"]))[:5] + [t for t in TRICKY.values() if "<|" not in t]
+    texts = sorted(source_documents([STDLIB / "json"]))[:5] + list(TRICKY.values())
+    assert any("<|endoftext|>" in t for t in texts)
+    tok = prepare_data.as_document_encoder(tok)  # as documents are encoded: a literal special token is text
     for text in texts:
         ids = tok.encode(text, add_special_tokens=False).ids
         assert hf.encode(text, add_special_tokens=False) == ids
