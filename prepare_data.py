@@ -763,30 +763,32 @@ def split_large(docs: Iterator[tuple[str, bytes]], val_fraction: float) -> Itera
         yield text[:cut], memoryview(data)[:len(data) - len(tail)], "train"  # a view: no copy of the bytes
 
 
-def text_pieces(text: str, size: int | None = None) -> Iterator[str]:
-    r"""``text`` in pieces of about ``size`` characters, each cut right after a newline with a
-    non-blank character on both sides, or right before a CRLF with one on both sides (no such
-    line end past ``size``: the rest stays whole).
+# Where GPT-2's pre-tokenizer pattern always starts a pre-token, whatever surrounds the text:
+# - before the last character of a whitespace run that a non-blank follows (the run's start is one
+#   pre-token, ``\s+(?!\S)``, and its last character stands alone or, a space, opens " word");
+#   Python's \s takes in every character the pattern's \s does, so \S here is never blank there;
+# - before an ASCII letter or digit after ASCII punctuation other than "'" (no pre-token holds a
+#   letter or digit and a punctuation mark; "'" would start a contraction, 's 't 're ...).
+PIECE_CUT = re.compile(r"(?=[ \t\r\n]\S)|(?<=[(){}\[\],;:\"=<>])(?=[A-Za-z0-9])")
 
-    A byte-level pre-tokenizer (GPT-2's pattern) makes such a newline a pre-token of its own,
-    bounded on both sides (of a CRLF between non-blanks, "\r" and "\n" are one each), so the
+
+def text_pieces(text: str, size: int | None = None) -> Iterator[str]:
+    r"""``text`` in pieces of about ``size`` characters, each cut at the first ``PIECE_CUT`` past
+    ``size``: before the last blank of a run that a non-blank follows ("a.\n|\nb", "x\r|\ny",
+    "a| b", "a  | b"), or between punctuation and a letter or digit ('{"|key"': a file that is one
+    long line of JSON). None past ``size``: the rest stays whole.
+
+    A byte-level pre-tokenizer (GPT-2's pattern) starts a pre-token at every such cut, so the
     pieces' tokens, one after the other, are the whole text's: pieces change memory, not tokens.
     ``pieces_are_exact`` says which tokenizers that holds for."""
     size = size or PIECE_CHARS
     start, n = 0, len(text)
     while n - start > size:
-        cut, nl = None, text.find("\n", start + size)
-        while nl != -1 and nl + 1 < n and cut is None:
-            if not text[nl + 1].isspace():
-                if not text[nl - 1].isspace():
-                    cut = nl + 1                      # x\n|y
-                elif text[nl - 1] == "\r" and nl - 2 > start and not text[nl - 2].isspace():
-                    cut = nl - 1                      # x|\r\ny: "\r\n" at a piece's end would be one pre-token
-            nl = text.find("\n", nl + 1)
+        cut = PIECE_CUT.search(text, start + size)
         if cut is None:
             break
-        yield text[start:cut]
-        start = cut
+        yield text[start:cut.start()]
+        start = cut.start()
     yield text[start:]
 
 
