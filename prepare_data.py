@@ -32,6 +32,7 @@ import shlex
 import shutil
 import signal
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -512,6 +513,31 @@ class TokenizerSpec:
         # Encode with exactly what is saved.
         return cls(json_text, Tokenizer.from_str(json_text), EOS_TOKEN, EOS_TOKEN, PAD_TOKEN)
 
+    @staticmethod
+    def _check_covers_text(given: str, tokenizer) -> None:
+        """A tokenizer that cannot encode some text drops it without a word (a byte-level BPE that
+        lacks some of the 256 byte characters, a BPE with no unknown token and no byte fallback): refused
+        or warned here, before any work, as is one that cannot encode at all."""
+        from tokenizers import pre_tokenizers
+        try:
+            tokenizer.encode("probe: x = 1\n", add_special_tokens=False)
+        except Exception as e:
+            raise DataError(f"--tokenizer {given}: cannot encode text ({one_line(e)})") from None
+        cfg = json.loads(tokenizer.to_str())
+        model, pre = cfg.get("model") or {}, cfg.get("pre_tokenizer") or {}
+        byte_level = pre.get("type") == "ByteLevel" or any(
+            p.get("type") == "ByteLevel" for p in pre.get("pretokenizers") or [] if isinstance(p, dict))
+        if byte_level:
+            vocab = tokenizer.get_vocab(with_added_tokens=False)
+            missing = sorted(c for c in pre_tokenizers.ByteLevel.alphabet() if c not in vocab)
+            if missing:
+                raise DataError(f"--tokenizer {given}: a byte-level tokenizer whose vocabulary lacks {len(missing)} "
+                                f"of the 256 byte characters (e.g. {missing[0]!r}): text with those bytes "
+                                "would be dropped without a trace")
+        elif model.get("type") == "BPE" and model.get("unk_token") is None and not model.get("byte_fallback"):
+            warn(f"--tokenizer {given}: a BPE with neither an unknown token nor byte fallback drops every "
+                 "character it has no token for, without a trace")
+
     @classmethod
     def load(cls, given: str) -> "TokenizerSpec":
         """A tokenizer.json file, or a directory holding one (and maybe the transformers files)."""
@@ -537,6 +563,11 @@ class TokenizerSpec:
         ignored = [what for what, on in (("truncation", tokenizer.truncation), ("padding", tokenizer.padding)) if on]
         tokenizer.no_truncation()
         tokenizer.no_padding()
+        if getattr(tokenizer.model, "dropout", None):  # BPE dropout: random merges, other shards each run
+            ignored.append(f"BPE dropout ({tokenizer.model.dropout})")
+            tokenizer.model.dropout = None
+            json_text = tokenizer.to_str(pretty=True)  # saved without it (transformers would apply it)
+        cls._check_covers_text(given, tokenizer)
 
         hf_files: dict[str, bytes] = {}
         specials: dict[str, str | None] = {}
@@ -655,6 +686,17 @@ def check_out(out: Path, given: str, overwrite: bool) -> None:
     if out.exists() and not out.is_dir():
         raise DataError(f"--out {given}: is a file, not a directory")
     if not out.is_dir():
+        # made at the end, beside where it goes: a place it cannot be made is said now, not after
+        # the tokenizer's training
+        above = out.absolute().parent
+        while not above.exists() and above != above.parent:
+            above = above.parent
+        if not above.is_dir():
+            raise DataError(f"--out {given}: {above} is a file, not a directory")
+        try:  # permissions, a read-only mount, /proc: what os.access cannot tell root
+            os.rmdir(tempfile.mkdtemp(prefix=f".{out.name}.probe-", dir=above))
+        except OSError as e:
+            raise DataError(f"--out {given}: cannot create it in {above} ({e.strerror or one_line(e)})") from None
         return
     if os.path.ismount(out):  # found only at the end otherwise: "Device or resource busy"
         raise DataError(f"--out {given}: is a mount point, which cannot be renamed onto (the output is "
@@ -834,7 +876,7 @@ def prepare(args: argparse.Namespace, argv: list[str]) -> str:
         spec = TokenizerSpec.load(args.tokenizer)
         if spec.ignored:
             warn(f"--tokenizer {args.tokenizer}: its tokenizer.json turns on {' and '.join(spec.ignored)}; "
-                 "ignored here: every document is encoded whole")
+                 "ignored here: every document is encoded whole, the same way every time")
         tokenizer_meta = {"source": args.tokenizer}
     else:
         tokenizer_meta = {"source": "trained", "vocab_size_requested": args.vocab_size,
@@ -933,6 +975,12 @@ def encode_corpus(corpus: Corpus, spec: TokenizerSpec, dtype, folder: Path,
 
     def encode(texts):
         """Each text's ids: a list, or for a long text encoded in pieces an array."""
+        try:
+            return _encode(texts)
+        except Exception as e:  # the Rust side's error (an unknown unk token, say): one line, not a traceback
+            raise DataError(f"--tokenizer {spec.source}: cannot encode a document ({one_line(e)})") from None
+
+    def _encode(texts):
         long = {i for i, t in enumerate(texts) if len(t) > PIECE_CHARS} if exact else set()
         short = [t for i, t in enumerate(texts) if i not in long]
         encoded = iter(encoder.encode_batch_fast(short, add_special_tokens=False))
@@ -1025,6 +1073,11 @@ def encode_corpus(corpus: Corpus, spec: TokenizerSpec, dtype, folder: Path,
         why = (f"the corpus is one document of {writers['train'].tokens:,} tokens, and only documents over "
                f"{SPLIT_CHARS:,} characters are split between train and val" if n_docs == 1 else
                "the documents are copies of one text (identical documents share a split)")
+        limits = [f"--max-tokens {args.max_tokens:,}" if stop else None,
+                  f"--max-docs {args.max_docs:,}" if args.max_docs is not None and n_docs >= args.max_docs else None]
+        if any(limits):  # the corpus may hold more: the limit cut it short
+            raise DataError(f"the val split would be empty: {' and '.join(filter(None, limits))} stopped the "
+                            f"corpus at {n_docs:,} document(s) ({why}); raise the limit")
         raise DataError(f"the val split would be empty: {why}; give more documents (several files, "
                         "or JSON-lines records, one per document)")
     share = writers["val"].tokens / (writers["val"].tokens + writers["train"].tokens)

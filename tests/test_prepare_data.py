@@ -388,6 +388,12 @@ def test_a_large_document_is_split_between_train_and_val(tmp_path, monkeypatch, 
     four = write_docs(tmp_path / "four", {f"{i}.txt": f"document {i}\n" * 50 for i in range(4)})
     assert run("--input", four, "--vocab-size", 300, "--out", tmp_path / "o4") == 0
     assert "far more than --val-fraction 0.005" in capsys.readouterr().err
+    # the same four cut to one by a limit: the limit is named, not "give more documents"
+    for limit in (["--max-docs", 1], ["--max-tokens", 10]):
+        assert run("--input", four, "--vocab-size", 300, *limit, "--out", tmp_path / "o5") == 2
+        err = capsys.readouterr().err.splitlines()
+        assert err[-1].startswith(f"prepare_data.py: error: the val split would be empty: {limit[0]} {limit[1]} "
+                                  "stopped the corpus at 1 document(s)") and err[-1].endswith("raise the limit")
 
 
 # --- inputs ----------------------------------------------------------------------------------------
@@ -565,7 +571,61 @@ def test_a_tokenizer_saved_with_truncation_or_padding_encodes_whole_documents(st
     assert sorted(docs) == want
 
 
+def test_a_tokenizer_that_would_drop_text_is_refused_before_any_work(stdlib_data, tmp_path, capsys):
+    """A reused tokenizer that cannot encode some characters dropped them, exit 0 ('café' -> 'ca');
+    one whose unknown token is not in its vocabulary failed mid-run with a Rust traceback; BPE
+    dropout gave other shards on every run. Each is said in one line at load."""
+    import json as _json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    src = write_docs(tmp_path / "src", {"a.txt": "café naïve 漢字 ok\n", "b.txt": "plain text\n"})
+    ascii_only = Tokenizer(models.BPE())
+    ascii_only.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    ascii_only.train_from_iterator(["plain ascii text only"], trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>"]))   # no initial_alphabet: ~15 of 256 bytes
+    ascii_only.save(str(tmp_path / "ascii.json"))
+    assert run("--input", src, "--tokenizer", tmp_path / "ascii.json", "--out", tmp_path / "o1") == 2
+    err = capsys.readouterr().err
+    assert "a byte-level tokenizer whose vocabulary lacks" in err and "would be dropped" in err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "o1").exists()
+
+    cfg = _json.loads((tmp_path / "ascii.json").read_text())
+    cfg["model"]["unk_token"] = "<nope>"   # needed for the missing characters, and not in the vocabulary
+    (tmp_path / "unk.json").write_text(_json.dumps(cfg))
+    assert run("--input", src, "--tokenizer", tmp_path / "unk.json", "--out", tmp_path / "o2") == 2
+    err = capsys.readouterr().err
+    assert err.strip() == (f"prepare_data.py: error: --tokenizer {tmp_path / 'unk.json'}: cannot encode text "
+                           "(Unk token `<nope>` not found in the vocabulary)")
+
+    cfg = _json.loads((stdlib_data / "tokenizer.json").read_text())
+    cfg["model"]["dropout"] = 0.5
+    (tmp_path / "dropout.json").write_text(_json.dumps(cfg))
+    for out in ("o3", "o4"):
+        assert run("--input", src, "--tokenizer", tmp_path / "dropout.json", "--out", tmp_path / out) == 0
+    assert "turns on BPE dropout (0.5); ignored here" in capsys.readouterr().err
+    assert stream(tmp_path / "o3", "train").tolist() == stream(tmp_path / "o4", "train").tolist()
+    assert _json.loads((tmp_path / "o3" / "tokenizer.json").read_text())["model"]["dropout"] is None
+
+
 # --- output directory: overwrite, interruption ------------------------------------------------------
+
+
+def test_an_out_that_cannot_be_made_is_said_before_the_tokenizer_trains(tmp_path, capsys, monkeypatch):
+    """--out under a file, or where nothing can be created, failed only after the tokenizer's
+    training, with an error that did not name --out."""
+    src = write_docs(tmp_path / "src", {"a.txt": "text " * 50, "b.txt": "more text\n"})
+    trained = []
+    monkeypatch.setattr(prepare_data, "train_tokenizer", lambda *a, **k: trained.append(1))
+    (tmp_path / "file").write_text("x")
+    assert run("--input", src, "--vocab-size", 300, "--out", tmp_path / "file" / "sub" / "out") == 2
+    assert capsys.readouterr().err.strip() == (f"prepare_data.py: error: --out {tmp_path / 'file' / 'sub' / 'out'}: "
+                                               f"{tmp_path / 'file'} is a file, not a directory")
+    assert run("--input", src, "--vocab-size", 300, "--out", "/proc/no/out") == 2
+    assert capsys.readouterr().err.strip().startswith("prepare_data.py: error: --out /proc/no/out: cannot create "
+                                                      "it in /proc (")
+    assert trained == []
+
+
 
 
 def test_overwrite_replaces_a_previous_output(tmp_path):
