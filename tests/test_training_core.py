@@ -986,6 +986,40 @@ def test_a_wandb_that_cannot_start_is_a_warning_not_a_traceback(tmp_path, monkey
     assert m.wandb is None and len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 1
 
 
+def test_a_wandb_or_tensorboard_failing_is_a_warning_and_the_run_logs_on(tmp_path, monkeypatch, capsys):
+    """W&B's service dying mid-run (ConnectionResetError from log, and again from finish) ended the
+    run with a traceback and no save; a tensorboard that fails to import with a TypeError (a
+    protobuf mismatch) was a traceback at start. Each is one warning; metrics.jsonl goes on."""
+    import types
+    fake, calls = types.ModuleType("wandb"), []
+
+    def log(*a, **k):
+        calls.append(a)
+        if len(calls) >= 2:
+            raise ConnectionResetError("Connection lost")
+
+    def finish(*a, **k):
+        raise ConnectionResetError("Connection lost")
+    fake.init = lambda **kw: types.SimpleNamespace(log=log, finish=finish)
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    board = types.ModuleType("torch.utils.tensorboard")
+
+    def writer(*a, **k):
+        raise TypeError("Descriptors cannot be created directly.\nIf this call came from a _pb2.py file")
+    board.SummaryWriter = writer
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", board)
+    m = _monitor(tmp_path, 0, **{"logging.wandb.enabled": "true", "logging.tensorboard": "true"})
+    for step in (1, 2, 3):
+        m.log(step, {"loss": 1.0})
+    m.close()
+    err = capsys.readouterr().err
+    assert "warning: tensorboard cannot start (Descriptors cannot be created directly.); " \
+           "logging.tensorboard ignored" in err
+    assert err.count("warning: wandb failed (Connection lost); logging.wandb is off for the rest of this run") == 1
+    assert len(calls) == 2 and m.wandb is None and m.tb is None
+    assert [json.loads(ln)["step"] for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+
+
 @pytest.mark.parametrize("name, peak", [
     ("NVIDIA L40", 181e12), ("NVIDIA L40S", 362e12), ("NVIDIA L4", 121e12),
     ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12), ("NVIDIA H100 NVL", 835e12),

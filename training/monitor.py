@@ -200,6 +200,8 @@ class Monitor:
                 self.tb = SummaryWriter(str(self.log_dir / "tb"), purge_step=purge_step)
             except ImportError:
                 info("warning: tensorboard is not installed; logging.tensorboard ignored")
+            except Exception as e:  # noqa: BLE001  a tensorboard/protobuf version mismatch: TypeError
+                info(f"warning: tensorboard cannot start ({first_line(e)}); logging.tensorboard ignored")
         if lc.wandb.enabled:
             try:
                 import wandb
@@ -238,7 +240,10 @@ class Monitor:
         except OSError as e:
             self._files_failed(e)
         if self.wandb is not None:
-            self.wandb.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=step)
+            try:
+                self.wandb.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=step)
+            except Exception as e:  # noqa: BLE001  its service died, a network error: train on without it
+                self._wandb_failed(e)
         if self.bar is not None and "loss" in metrics:
             post = {"loss": f"{metrics['loss']:.4f}", "lr": f"{metrics.get('lr', 0):.2e}"}
             if "tokens_per_sec" in metrics:
@@ -264,6 +269,17 @@ class Monitor:
                 pass
         self.jsonl = self.tb = None
 
+    def _wandb_failed(self, e: Exception) -> None:
+        """W&B failing mid-run (its wandb-core service gone: ConnectionResetError) ended the run with
+        a traceback and no save; only this process logs to it, so the run goes on without it."""
+        info(f"warning: wandb failed ({first_line(e)}); logging.wandb is off for the rest of this run "
+             "(metrics.jsonl has every step)")
+        run, self.wandb = self.wandb, None
+        try:
+            run.finish(exit_code=1)
+        except Exception:  # noqa: BLE001  the same dead service
+            pass
+
     def advance(self, step: int) -> None:
         if self.bar is not None:
             self.bar.update(step - self.bar.n)
@@ -274,7 +290,11 @@ class Monitor:
         if self.bar is not None:
             self.bar.close()
         if self.wandb is not None:
-            self.wandb.finish()
+            try:
+                self.wandb.finish()
+            except Exception as e:  # noqa: BLE001  the files below are closed whatever W&B does
+                info(f"warning: wandb.finish failed ({first_line(e)})")
+            self.wandb = None
         try:
             for f in (self.tb, self.jsonl):
                 if f is not None:
