@@ -960,7 +960,7 @@ def test_a_resumed_run_logs_to_the_same_wandb_run(tmp_path, monkeypatch):
 
     def init(**kw):
         ids.append((kw["id"], kw["resume"]))
-        return types.SimpleNamespace(log=lambda *a, **k: None, finish=lambda: None)
+        return types.SimpleNamespace(log=lambda *a, **k: None, finish=lambda: None, define_metric=lambda *a, **k: None)
     fake.init = init
     monkeypatch.setitem(sys.modules, "wandb", fake)
     for start in (0, 3, 6, 0):
@@ -1000,7 +1000,9 @@ def test_a_wandb_or_tensorboard_failing_is_a_warning_and_the_run_logs_on(tmp_pat
 
     def finish(*a, **k):
         raise ConnectionResetError("Connection lost")
-    fake.init = lambda **kw: types.SimpleNamespace(log=log, finish=finish)
+    defined = []
+    fake.init = lambda **kw: types.SimpleNamespace(log=log, finish=finish,
+                                                   define_metric=lambda *a, **k: defined.append((a, k)))
     monkeypatch.setitem(sys.modules, "wandb", fake)
     board = types.ModuleType("torch.utils.tensorboard")
 
@@ -1017,6 +1019,9 @@ def test_a_wandb_or_tensorboard_failing_is_a_warning_and_the_run_logs_on(tmp_pat
            "logging.tensorboard ignored" in err
     assert err.count("warning: wandb failed (Connection lost); logging.wandb is off for the rest of this run") == 1
     assert len(calls) == 2 and m.wandb is None and m.tb is None
+    # steps are a metric of their own (a resumed run's re-run steps were dropped by W&B's step)
+    assert calls[0] == ({"loss": 1.0, "trainer/step": 1},) and defined == [
+        (("trainer/step",), {}), (("*",), {"step_metric": "trainer/step"})]
     assert [json.loads(ln)["step"] for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
 
 

@@ -178,6 +178,9 @@ def progress_line(step: int, total: int, m: dict) -> str:
     return " | ".join(parts)
 
 
+WANDB_STEP = "trainer/step"
+
+
 class Monitor:
     def __init__(self, cfg, log_dir: Path, enabled: bool, total_steps: int, start_step: int):
         """``log_dir``: logging.dir, or checkpoint.dir when it is null."""
@@ -211,6 +214,11 @@ class Monitor:
                                         name=name, mode=lc.wandb.mode,
                                         dir=str(self.log_dir), config=cfg.to_dict(),
                                         id=_wandb_run_id(self.log_dir, start_step), resume="allow")
+                # the training step as a metric of its own, every chart's x axis: W&B's own step
+                # only grows, so a resumed run's steps after its checkpoint (logged once already,
+                # before the stop) would be dropped as "less than the current step"
+                self.wandb.define_metric(WANDB_STEP)
+                self.wandb.define_metric("*", step_metric=WANDB_STEP)
             except ImportError:
                 info("warning: wandb is not installed (pip install wandb); logging.wandb ignored")
             except Exception as e:  # noqa: BLE001  no API key, no network, a bad entity: train on
@@ -241,7 +249,7 @@ class Monitor:
             self._files_failed(e)
         if self.wandb is not None:
             try:
-                self.wandb.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=step)
+                self.wandb.log({**{k: v for k, v in metrics.items() if isinstance(v, (int, float))}, WANDB_STEP: step})
             except Exception as e:  # noqa: BLE001  its service died, a network error: train on without it
                 self._wandb_failed(e)
         if self.bar is not None and "loss" in metrics:
