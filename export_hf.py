@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -48,7 +49,7 @@ from training.config import Config, ConfigError
 from training.data import data_change_warning
 from training.hf import (from_llama_state_dict, llama_incompatibility, load_llama, load_training_checkpoint,
                          max_logit_difference, model_from_checkpoint, probe_tokens, to_llama_config,
-                         to_llama_state_dict)
+                         to_llama_state_dict, tokenizer_record)
 from training.monitor import log_dir_owner
 
 # transformers takes seconds to import: it is imported where it is used, after the input is checked
@@ -153,10 +154,13 @@ def model_card(name: str, model, ckpt: dict, where: Path, why_remote: str | None
     if llama:
         kind = "A Llama-architecture transformer (the Nash-MHC toolkit's baseline: one residual stream, full causal attention)"
         load = f'AutoModelForCausalLM.from_pretrained("{name}")'
+        tok_load = f'AutoTokenizer.from_pretrained("{name}")'
         code = "It loads as `LlamaForCausalLM`, without remote code."
     else:
         kind = "A Nash-MHC transformer"
         load = f'AutoModelForCausalLM.from_pretrained("{name}", trust_remote_code=True)'
+        # AutoTokenizer reads config.json's auto_map too: without the flag it asks on a terminal
+        tok_load = f'AutoTokenizer.from_pretrained("{name}", trust_remote_code=True)'
         code = ("It loads with remote code: `modeling_nash_mhc.py` and `model.py` in this directory "
                 f"(read them before `trust_remote_code=True`; not a Llama because {why_remote}).")
     residual = ("one residual stream" if cfg.mhc_streams == 1 else
@@ -174,7 +178,7 @@ def model_card(name: str, model, ckpt: dict, where: Path, why_remote: str | None
         "```python",
         "from transformers import AutoModelForCausalLM, AutoTokenizer",
         "",
-        f'tok = AutoTokenizer.from_pretrained("{name}")',
+        f"tok = {tok_load}",
         f"model = {load}",
         'out = model.generate(**tok(["def main():"], return_tensors="pt"), max_new_tokens=32)',
         "print(tok.decode(out[0]))",
@@ -309,6 +313,26 @@ def build_hf_model(model, sd: dict, rows: int, spec):
     return hf
 
 
+def check_tokenizer(ckpt: dict, tok_dir: Path, given: bool) -> None:
+    """The tokenizer to ship against the one the checkpoint was trained with (its data's
+    tokenizer.json sha256, recorded since fb250af): the data.dir's holding another one now is
+    refused (every token id would decode to other text); one given with --tokenizer is said in a
+    warning (an earlier export's tokenizer.json, rewritten without its post-processor, differs in
+    bytes and not in tokens)."""
+    recorded = (ckpt.get("data") or {}).get("tokenizer_sha256")
+    if not (tok_dir / "tokenizer.json").is_file():
+        return  # tokenizer_spec says so
+    shipped = hashlib.sha256((tok_dir / "tokenizer.json").read_bytes()).hexdigest()
+    if not recorded or recorded == shipped:
+        return
+    if not given:
+        raise ExportError(f"{tok_dir}: its tokenizer.json (sha256 {shipped[:12]}...) is not the one the "
+                          f"checkpoint was trained with ({recorded[:12]}...): pass --tokenizer DIR holding "
+                          "the model's tokenizer")
+    say(f"warning: --tokenizer {tok_dir}: its tokenizer.json (sha256 {shipped[:12]}...) is not byte for byte "
+        f"the one the checkpoint was trained with ({recorded[:12]}...); exported as given")
+
+
 def export(args) -> str:
     # the directory itself, not a link to it or ".": the export is renamed into its place
     out = Path(os.path.realpath(Path(args.out).expanduser()))
@@ -327,6 +351,7 @@ def export(args) -> str:
         ckpt, data_dir, f"the tokenizer of {data_dir} may not be the model's (pass --tokenizer)")
     if changed:
         say(changed)
+    check_tokenizer(ckpt, tok_dir, given=args.tokenizer is not None)
     spec = tokenizer_spec(tok_dir)
     rows, vocab_lines = vocabulary(cfg.vocab_size, spec)
     why_remote = llama_incompatibility(cfg)
@@ -420,6 +445,7 @@ def import_llama(args) -> str:
         "config": run_config,
         "step": 0,
         "trainer": f"{PROG} --import {args.import_dir}",
+        **({"data": record} if (record := tokenizer_record(args.import_dir)) else {}),
     }, out)
     section = yaml.safe_dump({"model": run_config["model"]}, sort_keys=False).rstrip()
     hf_dir = Path(args.import_dir)

@@ -21,7 +21,7 @@ from prepare_data import as_document_encoder
 from model import ModelConfig, NashMHC
 from training.checkpoint import (FORMAT_VERSION, CheckpointError, atomic_torch_save, checkpoint_path,
                                  load_checkpoint)
-from training.config import Config, DataConfig, TrainingConfig, config_from_dict
+from training.config import Config, ConfigError, DataConfig, TrainingConfig, config_from_dict
 
 from helpers import ENV, ROOT, losses, metrics, tiny_config
 
@@ -32,7 +32,7 @@ NASH_LITE = dict(mhc_streams=3, mhc_lite=True, nash_scales=2, nash_window=8, agg
                  tie_embeddings=False)
 
 
-def make_run(run_dir, data_dir, step=7, seed=0, **model):
+def make_run(run_dir, data_dir, step=7, seed=0, tokenizer_sha256=None, **model):
     """A run directory with one checkpoint as the trainers write it; returns the model."""
     cfg = Config(model=ModelConfig(**{**TINY, **model}), data=DataConfig(dir=str(data_dir), seq_len=32),
                  training=TrainingConfig(max_steps=step))
@@ -42,7 +42,9 @@ def make_run(run_dir, data_dir, step=7, seed=0, **model):
         for p in m.parameters():
             p.add_(torch.randn_like(p) * (0.5 if p.ndim < 2 else 0.05))
     atomic_torch_save({"format_version": FORMAT_VERSION, "model": m.state_dict(), "optimizer": {},
-                       "step": step, "tokens_seen": 0, "data": {"epoch": 0, "offset": 0}, "rng": {},
+                       "step": step, "tokens_seen": 0, "rng": {},
+                       "data": {"epoch": 0, "offset": 0, **({"tokenizer_sha256": tokenizer_sha256} if tokenizer_sha256
+                                                            else {})},
                        "config": cfg.to_dict(), "trainer": "test"}, checkpoint_path(run_dir, step))
     return m
 
@@ -136,7 +138,8 @@ def check_model_card(out, remote: bool, step: int, val_loss: str | None = None):
     card = ModelCard.load(out / "README.md")
     assert card.data.library_name == "transformers" and card.data.pipeline_tag == "text-generation"
     assert ("trust_remote_code=True" in card.text) == remote
-    assert f"at step {step}" in card.text and f"AutoTokenizer.from_pretrained(\"{out.name}\")" in card.text
+    flag = ", trust_remote_code=True" if remote else ""   # AutoTokenizer reads auto_map too (it asked)
+    assert f"at step {step}" in card.text and f"AutoTokenizer.from_pretrained(\"{out.name}\"{flag})" in card.text
     assert (f"validation loss {val_loss} at this step" in card.text) if val_loss else "validation loss" not in card.text
 
 
@@ -389,6 +392,63 @@ def test_a_tokenizer_without_a_pad_token_pads_with_end_of_text(tmp_path, stdlib_
     for row, prompt in zip(together, prompts):
         alone = hf.generate(**hf_tok([prompt], return_tensors="pt"), max_new_tokens=5, do_sample=False)
         assert row.tolist() == alone[0, -5:].tolist(), prompt
+
+
+def other_tokenizer(folder):
+    """A byte-level BPE of the same size as stdlib_data's, trained on other text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tok.train_from_iterator(["SELECT * FROM t WHERE x = 1;\n"] * 50, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>", "<|pad|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    return folder
+
+
+def test_the_export_ships_the_tokenizer_the_model_was_trained_with(tmp_path, stdlib_data, capsys):
+    """The checkpoint records its data's tokenizer.json sha256: a data.dir that holds another
+    tokenizer now is refused (the export was written with it, with at most a "may not be"
+    warning); one given with --tokenizer is said in a warning and exported."""
+    import shutil
+    data = tmp_path / "data"
+    shutil.copytree(stdlib_data, data)
+    sha = json.loads((data / "meta.json").read_text())["tokenizer_sha256"]
+    make_run(tmp_path / "run", data, tokenizer_sha256=sha, **BASELINE)
+    assert export(tmp_path / "run", tmp_path / "hf1", "--no-verify") == 0
+    assert "sha256" not in capsys.readouterr().err
+    other_tokenizer(tmp_path / "other")
+    assert export(tmp_path / "run", tmp_path / "hf2", "--tokenizer", tmp_path / "other", "--no-verify") == 0
+    assert (f"warning: --tokenizer {tmp_path / 'other'}: its tokenizer.json (sha256 " in capsys.readouterr().err)
+    shutil.copy(tmp_path / "other" / "tokenizer.json", data / "tokenizer.json")
+    assert export(tmp_path / "run", tmp_path / "hf3", "--no-verify") == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert line.startswith(f"export_hf.py: error: {data}: its tokenizer.json (sha256 ") and line.endswith(
+        f"is not the one the checkpoint was trained with ({sha[:12]}...): pass --tokenizer DIR holding the "
+        "model's tokenizer")
+    assert not (tmp_path / "hf3").exists()
+
+
+def test_weights_from_a_hugging_face_directory_carry_its_tokenizer(tmp_path, stdlib_data, llama_dir):
+    """checkpoint.init_from (or --import) of a directory with a tokenizer.json records its sha256,
+    so data of another tokenizer is refused as for a training checkpoint (it trained on)."""
+    import shutil
+
+    from training.data import check_same_tokenizer
+    from training.hf import load_initial_weights
+    hf_dir, _ = llama_dir
+    meta = json.loads((stdlib_data / "meta.json").read_text())
+    shutil.copy(stdlib_data / "tokenizer.json", hf_dir / "tokenizer.json")
+    path, init = load_initial_weights(hf_dir)
+    check_same_tokenizer(init, meta, path, stdlib_data)   # prepare_data.py --tokenizer HF_DIR: same bytes
+    other_tokenizer(hf_dir)
+    _, init = load_initial_weights(hf_dir)
+    with pytest.raises(ConfigError, match="was trained on data of another tokenizer"):
+        check_same_tokenizer(init, meta, path, stdlib_data)
+    assert export("--import", hf_dir, tmp_path / "init.pt") == 0
+    ckpt = torch.load(tmp_path / "init.pt", weights_only=True)
+    assert ckpt["data"] == init["data"] and len(init["data"]["tokenizer_sha256"]) == 64
 
 
 @pytest.mark.parametrize("tokenizer_class", ["PreTrainedTokenizerFast", "LlamaTokenizerFast"])

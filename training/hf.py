@@ -10,6 +10,7 @@ only), Hugging Face checkpoints only from safetensors.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from pathlib import Path
@@ -204,6 +205,17 @@ def model_from_checkpoint(ckpt: dict, where) -> NashMHC:
     return model.eval()
 
 
+def tokenizer_record(hf_dir: Path) -> dict | None:
+    """What a checkpoint records of its data's tokenizer (``data.tokenizer_sha256``, the sha256 of
+    tokenizer.json's bytes, as prepare_data.py's meta.json has it), for the weights of a Hugging
+    Face directory with a tokenizer.json: ``prepare_data.py --tokenizer HF_DIR`` keeps those bytes,
+    so data of that tokenizer passes ``check_same_tokenizer`` and data of another is refused."""
+    f = Path(hf_dir) / "tokenizer.json"
+    if not f.is_file():
+        return None
+    return {"tokenizer_sha256": hashlib.sha256(f.read_bytes()).hexdigest()}
+
+
 def load_initial_weights(path: str | Path, warn: Callable[[str], None] = print) -> tuple[Path, dict]:
     """The weights ``checkpoint.init_from`` names, as ``(path, {"model": state_dict, "config":
     {"model": ...}})`` (and a training checkpoint's ``"data"``: what it was trained on): a Hugging
@@ -214,7 +226,7 @@ def load_initial_weights(path: str | Path, warn: Callable[[str], None] = print) 
         cfg, hf = load_llama(p)
         model = NashMHC(cfg)
         model.load_state_dict(from_llama_state_dict(hf.state_dict(), cfg))
-        return p, {"model": model.state_dict(), "config": {"model": cfg.to_dict()}}
+        return p, {"model": model.state_dict(), "config": {"model": cfg.to_dict()}, "data": tokenizer_record(p)}
     where, ckpt = load_training_checkpoint(p, warn)
     return where, {"model": model_from_checkpoint(ckpt, where).state_dict(), "config": ckpt["config"],
                    "data": ckpt.get("data")}
