@@ -810,6 +810,26 @@ def test_a_bad_batch_on_one_process_stops_every_process_with_its_reason(tmp_path
     assert (lines[-2]["nonfinite_skipped"], lines[-1]["nonfinite_skipped"]) == (0, 1)  # every process
 
 
+def test_a_step_with_a_refused_batch_is_never_saved(tmp_path, stdlib_data):
+    """A periodic save at the step of a batch some process could not use ran before the decision
+    that stops on it, and committed that step's state (on XLA SPMD across hosts the step can be
+    skipped on the refusing host's chips only: a mixed state). The decision comes first now: the
+    run stops with the error, and the last checkpoint is the step before."""
+    cfg = tiny_config(tmp_path, stdlib_data, **{"training.max_steps": 8, "logging.interval": 4,
+                                                "evaluation.interval": 0, "checkpoint.interval": 1})
+    r = run_patched(tmp_path, "from training import data\n"
+                              "from training.config import ConfigError\n"
+                              "real, calls = data.DataStream.__next__, [0]\n"
+                              "def nxt(self):\n"
+                              "    calls[0] += 1\n"
+                              "    if calls[0] == 3:\n"
+                              "        raise ConfigError('train_00000.npy: token 5 is id 9999, not below the vocabulary')\n"
+                              "    return real(self)\n"
+                              "data.DataStream.__next__ = nxt\n", ["train.py", str(cfg)])
+    assert r.returncode == 2 and "token 5 is id 9999" in r.stderr.splitlines()[-1], r.stderr[-3000:]
+    assert sorted(p.name for p in (tmp_path / "run").glob("ckpt_*")) == ["ckpt_00000001.pt", "ckpt_00000002.pt"]
+
+
 def test_a_token_budget_resumed_with_another_batch_keeps_its_budget_and_its_schedule(tmp_path, stdlib_data):
     """training.total_tokens on resume: the steps left are the tokens left in steps of the new size,
     and the cosine goes on from the tokens trained on. Before, max_steps was the whole budget in

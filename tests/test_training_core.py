@@ -126,6 +126,16 @@ def test_config_bad_values_name_the_key(tmp_path, text, match):
     assert "\n" not in str(e.value)
 
 
+def test_a_data_dir_that_cannot_be_read_is_a_config_error():
+    """Path.is_dir() raises for some errors (a dead gcsfuse mount's ENOTCONN, EACCES, a name too
+    long): a traceback on that host that skipped the launch agreement, the others left waiting."""
+    from training.config import check_data
+    long = "/tmp/" + "d" * 300
+    with pytest.raises(ConfigError) as e:
+        check_data(load_config(None, ["training.max_steps=1", f"data.dir={long}"]))
+    assert str(e.value) == f"data.dir: cannot read {long} (File name too long)"
+
+
 def test_a_relative_data_dir_that_is_not_there_names_the_working_directory(tmp_path, monkeypatch):
     """The usual cause of a missing relative data.dir is the directory the run was started in."""
     from training.config import check_data

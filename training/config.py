@@ -590,10 +590,14 @@ def check_data(cfg: Config) -> dict:
     """Check the data directory against the config before any work; return its meta.json."""
     d = Path(cfg.data.dir).expanduser()
     meta_path = d / "meta.json"
-    if not d.is_dir():
+    try:  # is_dir() raises for a dead network mount (ENOTCONN), a denied parent, a name too long
+        there, has_meta = d.is_dir(), meta_path.is_file()
+    except OSError as e:
+        raise ConfigError(f"data.dir: cannot read {d} ({e.strerror or e})") from None
+    if not there:
         rel = "" if d.is_absolute() else f", relative to the working directory {os.getcwd()}"
         raise ConfigError(f"data.dir: {d} does not exist{rel} (run prepare_data.py first)")
-    if not meta_path.is_file():
+    if not has_meta:
         raise ConfigError(f"data.dir: {meta_path} not found (is {d} a prepare_data.py output?)")
     try:
         meta = json.loads(meta_path.read_text())

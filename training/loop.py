@@ -600,13 +600,19 @@ class Trainer:
                 self.monitor.advance(state.step)
 
                 saving = cfg.checkpoint.interval > 0 and state.step % cfg.checkpoint.interval == 0 and not last
-                if saving:
-                    self.save("interval")
                 # Decisions together, after every step (Backend.decides_every_step) or at the
                 # steps agreed at the decision before and at log steps (every process logs at the
-                # same steps); and after a periodic save, so that a stop requested before or
-                # during it ends the run on the state it just saved.
+                # same steps); before a periodic save, so that a batch some process could not use
+                # stops the run before this step's state is saved (on XLA SPMD across hosts the
+                # step may have been skipped on that host's chips only); and after it, so that a
+                # stop requested during the save ends the run on the state it just saved.
                 if saving or do_log or backend.decides_every_step or state.step >= self.next_decision:
+                    reason = self.should_stop()
+                    if reason is not None:
+                        exit_reason = reason
+                        break
+                if saving:
+                    self.save("interval")
                     reason = self.should_stop()
                     if reason is not None:
                         exit_reason = reason
