@@ -34,13 +34,25 @@ class TrainingExit(Exception):
         self.code, self.message = code, message
 
 
+def _libtpu_found() -> bool:
+    """Whether torch_xla 2.9 finds the TPU runtime (``torch_xla._setup_tpu_vm_library_path``, read
+    without importing torch_xla, which must see PJRT_DEVICE first): TPU_LIBRARY_PATH, the
+    libtpu.so bundled in torch_xla/lib, or the libtpu package."""
+    if "TPU_LIBRARY_PATH" in os.environ:
+        return True
+    spec = importlib.util.find_spec("torch_xla")
+    if spec is not None and spec.origin and os.path.isfile(os.path.join(os.path.dirname(spec.origin), "lib",
+                                                                        "libtpu.so")):
+        return True
+    return importlib.util.find_spec("libtpu") is not None
+
+
 def _default_pjrt_device() -> None:
     if "PJRT_DEVICE" in os.environ:
         return
     # as torch_xla's own default: the TPU runtime installed *and* TPU chips here (a TPU image
     # without a TPU, e.g. a CPU CI job, has libtpu and no device)
-    on_tpu = importlib.util.find_spec("libtpu") is not None and bool(
-        glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
+    on_tpu = _libtpu_found() and bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
     os.environ["PJRT_DEVICE"] = "TPU" if on_tpu else "CPU"
     if not on_tpu:
         print("train_xla.py: no TPU found: using PJRT_DEVICE=CPU (set PJRT_DEVICE to choose)",

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from helpers import ENV, ROOT, metrics, run, script_report, tiny_config
+from helpers import ENV, ROOT, metrics, run, run_patched, script_report, tiny_config
 from training.config import ConfigError, load_config
 from training.data import data_fingerprint
 from training.monitor import peak_flops_for
@@ -133,6 +133,26 @@ print("REPORT " + json.dumps(out))
 
 
 @pytest.mark.xla
+def test_a_host_whose_peers_never_come_stops_after_dist_timeout_s(tmp_path, stdlib_data):
+    """torch_xla 2.9's xla:// rendezvous makes its TCP store with torch's default 300 s, whatever
+    timeout it is given: a host whose peers never came (or came over 5 minutes later) failed after
+    300 s with a DistStoreError traceback, training.dist_timeout_s unused. Host 1 of 2 alone here."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = tiny_config(tmp_path, stdlib_data, **{"training.max_steps": 2, "training.dist_timeout_s": 3})
+    patch = "import torch_xla.runtime as xr\nxr.process_count = lambda: 2\nxr.process_index = lambda: 1\n"
+    r = run_patched(tmp_path, patch, ["train_xla.py", str(cfg), "xla.mode=spmd"],
+                    env={**ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    last = r.stderr.strip().splitlines()[-1]
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert last.startswith(f"train_xla.py: error: the hosts' rendezvous at 127.0.0.1:{port} (MASTER_ADDR:MASTER_PORT) "
+                           "failed after 3 s (") and last.endswith("every host must start within "
+                                                                  "training.dist_timeout_s of host 0, which must be reachable")
+
+
+@pytest.mark.xla
 def test_libtpu_without_a_tpu_is_not_a_tpu(tmp_path):
     """train_xla.py picks PJRT_DEVICE when none is set. The TPU runtime installed on a machine with
     no TPU (a TPU image in a CPU CI job) chose TPU, which then failed at the runtime's start; as
@@ -146,6 +166,15 @@ def test_libtpu_without_a_tpu_is_not_a_tpu(tmp_path):
             "train_xla._default_pjrt_device()\nprint(os.environ['PJRT_DEVICE'])")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.strip() == "CPU", r.stderr   # (no /dev/accel*, /dev/vfio/N here)
+    # the runtime as torch_xla finds it: TPU_LIBRARY_PATH or a bundled libtpu.so count too (the
+    # libtpu package alone was looked for: a TPU VM with those chose CPU, each pod host alone)
+    found = ("import os, train_xla\n"
+             "print(train_xla._libtpu_found())\n"
+             "os.environ['TPU_LIBRARY_PATH'] = '/x/libtpu.so'\n"
+             "print(train_xla._libtpu_found())")
+    env = {k: v for k, v in ENV.items() if k != "TPU_LIBRARY_PATH"}
+    r = subprocess.run([sys.executable, "-c", found], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.split() == ["False", "True"], r.stderr
 
 
 def test_a_compile_cache_that_cannot_be_made_is_a_warning(tmp_path, monkeypatch):

@@ -30,11 +30,17 @@ def group_timeout(seconds: "float | None") -> "datetime.timedelta | None":
     return None if seconds is None else datetime.timedelta(seconds=seconds)
 
 
-def init_gloo(init_method: str, timeout_s: "float | None" = None) -> None:
+def init_gloo(init_method: str, timeout_s: "float | None" = None, store=None, rank: int = -1,
+              world_size: int = -1) -> None:
     """The default process group, with gloo, unless one is already initialised (a test, a
-    notebook, a caller that made it): then that one is used as it is."""
+    notebook, a caller that made it): then that one is used as it is. ``store``, ``rank`` and
+    ``world_size``: a rendezvous made by the caller instead of ``init_method``'s."""
     if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=init_method, timeout=group_timeout(timeout_s))
+        if store is not None:
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                                    timeout=group_timeout(timeout_s))
+        else:
+            dist.init_process_group("gloo", init_method=init_method, timeout=group_timeout(timeout_s))
 
 
 def new_gloo_group(timeout_s: "float | None" = None) -> "dist.ProcessGroup | None":

@@ -47,7 +47,7 @@ from torch import nn
 
 from .backend import Backend
 from .config import ConfigError, check_xla
-from .distributed import HostGroup, init_gloo, new_gloo_group
+from .distributed import HostGroup, group_timeout, init_gloo, new_gloo_group
 from .monitor import peak_flops_for
 from .optim import AdamW, Muon
 from .sharding import param_partition_spec, state_partition_spec
@@ -439,7 +439,7 @@ class XLABackend(Backend):
             import torch.distributed as dist
             from torch_xla.distributed import xla_backend as _xla_pg  # noqa: F401  (registers xla://)
             self._made_group = not dist.is_initialized()  # a caller's group stays the caller's
-            init_gloo("xla://", cfg.training.dist_timeout_s)
+            self._host_rendezvous(cfg.training.dist_timeout_s)
             self.host = HostGroup(new_gloo_group(cfg.training.dist_timeout_s))
             self.ckpt_group = new_gloo_group(cfg.training.dist_timeout_s)  # the checkpoint writer's thread has its own
         self.checkpoint_format = "dcp" if self.spmd else "file"
@@ -457,6 +457,38 @@ class XLABackend(Backend):
         self._host_pending = 0
         self._host_done = threading.Condition()
         self._host_error: BaseException | None = None
+
+    def _host_rendezvous(self, timeout_s: float | None) -> None:
+        """The gloo group's rendezvous: torch_xla's ``xla://`` one (TCP store on host 0: MASTER_ADDR,
+        or on TPU the first worker from the metadata server; MASTER_PORT, default 12355; rank =
+        host in SPMD, ordinal in ddp), with the store made here, because torch_xla 2.9's handler
+        makes it without the timeout it is given: hosts that started over 5 minutes apart always
+        failed (torch's TCPStore default), whatever ``training.dist_timeout_s`` said, with a
+        DistStoreError traceback. The handler's other stores (torchelastic's agent store, the
+        dummy store) are left to it."""
+        import torch.distributed as dist
+        if dist.is_initialized():
+            return
+        env = os.environ
+        if dist.is_torchelastic_launched() or env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" or (
+                env.get("TORCH_DIST_INIT_BARRIER") == "0" and env.get("XLA_USE_DUMMY_STORE") == "1"):
+            init_gloo("xla://", timeout_s)
+            return
+        from torch_xla._internal import tpu
+        host = env.get("MASTER_ADDR") or (tpu.discover_master_worker_ip() if xr.device_type() == "TPU"
+                                          else "localhost")
+        port = int(env.get("MASTER_PORT") or 12355)
+        timeout = group_timeout(timeout_s) or dist.constants.default_pg_timeout   # gloo's 30 minutes
+        rank, world = (xr.process_index(), xr.process_count()) if self.spmd else (self.rank, self.world_size)
+        try:
+            store = dist.TCPStore(host, port, xr.process_count(), is_master=xr.process_index() == 0,
+                                  timeout=timeout)
+            init_gloo("", timeout_s, store=store, rank=rank, world_size=world)
+        except (dist.DistError, RuntimeError) as e:
+            why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ConfigError(f"the hosts' rendezvous at {host}:{port} (MASTER_ADDR:MASTER_PORT) failed after "
+                              f"{timeout.total_seconds():.0f} s ({why}): every host must start within "
+                              "training.dist_timeout_s of host 0, which must be reachable") from None
 
     def _init_cache(self, cache: str | None) -> None:
         if not cache:
