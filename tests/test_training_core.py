@@ -183,6 +183,18 @@ def test_a_changed_architecture_is_refused_in_the_config_file_spelling():
                             f"{saved.model.n_layers} -> 3; model.mhc_lite: true -> false)")
     check_resume_compatible(load_config(None, ["training.max_steps=1", "model.mhc_lite=true",
                                                "model.dropout=0.1"]), ckpt, Path("ck.pt"))
+    # the same weights spelled another way: an export to Llama and back (--import) writes the
+    # SwiGLU width as another ffn_mult / ffn_multiple_of, and mHC's and the fusion's settings mean
+    # nothing with one stream and one scale (init_from with the run's own config was refused)
+    base = ["training.max_steps=1", "model.d_model=128", "model.n_heads=4", "model.n_kv_heads=2",
+            "model.mhc_streams=1", "model.nash_scales=1", "model.nash_window=0"]
+    ckpt = {"config": load_config(None, base + ["model.ffn_mult=2.67", "model.ffn_multiple_of=32"]).to_dict()}
+    check_resume_compatible(load_config(None, base + ["model.ffn_mult=2.75", "model.ffn_multiple_of=16",
+                                                      "model.mhc_lite=false", "model.sinkhorn_iters=5",
+                                                      "model.aggregation=mean", "model.nash_iters=1"]),
+                            ckpt, Path("ck.pt"))
+    with pytest.raises(CheckpointError, match=r"\(model.ffn_hidden: 352 -> 384\)$"):
+        check_resume_compatible(load_config(None, base + ["model.ffn_mult=3.0"]), ckpt, Path("ck.pt"))
 
 
 def test_config_overrides_are_typed(tmp_path):

@@ -9,6 +9,7 @@ the host: losses, norms and counters stay on the device and reach the host throu
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import random
@@ -165,6 +166,24 @@ def settings_warnings(cfg: Config, tokens_per_step: int, data_vocab: int | None 
     return out
 
 
+def architecture(m) -> dict:
+    """The model settings that make the weights and what they compute, for comparing a checkpoint's
+    with the config's: the SwiGLU width as ``ffn_hidden`` (``ffn_mult`` and ``ffn_multiple_of``
+    are one way to spell it: an export to Llama and back gives 3.0 / 64 for 2.67 / 32), and
+    without mHC's settings when there are no streams, the fusion's when there is one scale (they
+    build nothing), dropout, activation checkpointing and the loss's chunking (free to change)."""
+    a = {k: v for k, v in dataclasses.asdict(m).items() if k not in (
+        "ffn_mult", "ffn_multiple_of", "dropout", "activation_checkpointing", "loss_chunk")}
+    a["ffn_hidden"] = m.ffn_hidden
+    if m.mhc_streams == 1:
+        for k in ("mhc_lite", "sinkhorn_iters", "stream_dtype"):
+            del a[k]
+    if m.nash_scales == 1:
+        for k in ("nash_compression", "nash_iters", "nash_tau", "nash_pool", "aggregation"):
+            del a[k]
+    return a
+
+
 def check_resume_compatible(cfg: Config, ckpt: dict, path: Path, optimizer: bool = True) -> None:
     """The architecture of a checkpoint must match the config's (anything else may change); so
     must the optimizer when its state is to be loaded (``optimizer``; ``init_from`` takes the
@@ -173,13 +192,11 @@ def check_resume_compatible(cfg: Config, ckpt: dict, path: Path, optimizer: bool
         saved = config_from_dict(ckpt["config"]).model
     except (ConfigError, KeyError) as e:
         raise CheckpointError(f"{path}: stored config unreadable ({e})") from None
-    if saved != cfg.model:
-        diff = [f"model.{k}: {yaml_value(getattr(saved, k))} -> {yaml_value(getattr(cfg.model, k))}"
-                for k in cfg.model.__dataclass_fields__ if getattr(saved, k) != getattr(cfg.model, k)]
-        structural = [d for d in diff if not d.startswith(("model.dropout", "model.activation_checkpointing",
-                                                           "model.loss_chunk"))]
-        if structural:
-            raise CheckpointError(f"{path}: model config differs from the checkpoint's ({'; '.join(structural)})")
+    was, now = architecture(saved), architecture(cfg.model)
+    structural = [f"model.{k}: {yaml_value(was.get(k))} -> {yaml_value(now.get(k))}"
+                  for k in {**was, **now} if was.get(k) != now.get(k)]
+    if structural:
+        raise CheckpointError(f"{path}: model config differs from the checkpoint's ({'; '.join(structural)})")
     if not optimizer:
         return
     try:
