@@ -6,7 +6,7 @@ DATA   ?= data/stdlib
 RUN    ?= runs/demo
 STDLIB  = $(shell $(PYTHON) -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')
 
-.PHONY: setup demo data train sample test bench clean-demo
+.PHONY: setup demo test bench clean-demo
 
 setup: $(VENV)/.installed
 
