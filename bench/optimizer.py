@@ -40,7 +40,11 @@ propagation: the matrices split by rows). Per form: the collectives of the parti
 (XLA's own dump after optimisation; the forward's and backward's are the same in both) and the
 bytes of their results on one device, and the median time of a step (trace and execution).
 
-Prints one JSON object: ``{"fsdp2": ..., "spmd": ...}``.
+ddp: train.py's DDP replicas (``--procs`` processes, gloo), Muon's Newton-Schulz shared among them
+(each a share of every shape's matrices, one all-gather: what ``TorchBackend.prepare_optimizer``
+sets) against every replica doing all of it; the median optimiser step, interleaved.
+
+Prints one JSON object: ``{"fsdp2": ..., "ddp": ..., "spmd": ...}``.
 """
 from __future__ import annotations
 
@@ -159,6 +163,60 @@ def _worker(rank: int, world: int, port: int, args, out_file: str) -> None:
     dist.destroy_process_group()
 
 
+def _ddp_worker(rank: int, world: int, port: int, args, out_file: str) -> None:
+    """train.py's DDP (``TorchBackend`` without fsdp): Muon's Newton-Schulz shared among the replicas
+    (``shared``: what ``prepare_optimizer`` sets, each a share of every shape's matrices and one
+    all-gather) against every replica doing all of it (``every_replica``, before); the same
+    weights and batch, interleaved; the median optimiser step on process 0 and the largest weight
+    difference after one step."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    from model import ModelConfig, NashMHC
+    from training.backend import TorchBackend
+    from training.config import load_config
+    from training.optim import build_optimizer
+
+    cfg = load_config(None, ["training.max_steps=1", "training.optimizer=muon"])
+    backend = TorchBackend("cpu")
+    mcfg = ModelConfig(vocab_size=4096, d_model=args.d_model, n_layers=args.layers,
+                       n_heads=max(1, args.d_model // 64), n_kv_heads=max(1, args.d_model // 128),
+                       max_seq_len=args.seq)
+    forms = {}
+    for form in ("shared", "every_replica"):
+        torch.manual_seed(0)
+        model = backend.prepare_model(NashMHC(mcfg), cfg)
+        opt = build_optimizer(model, cfg.training, backend.adamw_factory())
+        backend.prepare_optimizer(opt)
+        forms[form] = (model, opt)
+    assert forms["shared"][1].spread_over is not None
+    forms["every_replica"][1].spread_over = None
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randint(0, mcfg.vocab_size, (args.batch, args.seq), generator=g)
+    times: dict = {form: [] for form in forms}
+    for r in range(args.repeats + 1):
+        for form, (model, opt) in forms.items():
+            opt.zero_grad(set_to_none=True)
+            model(x, x).loss.backward()
+            dist.barrier()
+            t0 = time.perf_counter()
+            opt.step()
+            dist.barrier()
+            if r > 0:  # the first: state created, not timed
+                times[form].append(time.perf_counter() - t0)
+        if r == 0:
+            diff = max((a - b).abs().max().item() for a, b in
+                       zip(forms["shared"][0].parameters(), forms["every_replica"][0].parameters()))
+    if rank == 0:
+        median = {f: statistics.median(times[f]) for f in forms}
+        Path(out_file).write_text(json.dumps({
+            "d_model": args.d_model, "layers": args.layers, "processes": world, "repeats": args.repeats,
+            "step_ms": {f: 1e3 * median[f] for f in forms},
+            "every_replica_over_shared": median["every_replica"] / median["shared"],
+            "first_step_max_weight_difference": diff}))
+    dist.destroy_process_group()
+
+
 def _spmd(args) -> dict:
     """The spmd section, in this process (PJRT_DEVICE=CPU, CPU_NUM_DEVICES and XLA_FLAGS set by main)."""
     import glob
@@ -237,7 +295,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--devices", type=int, default=4, help="spmd: PJRT CPU devices, all on fsdp")
-    ap.add_argument("--only", default="fsdp2,spmd", help="sections, comma-separated: fsdp2, spmd")
+    ap.add_argument("--only", default="fsdp2,ddp,spmd", help="sections, comma-separated: fsdp2, ddp, spmd")
     ap.add_argument("--spmd-here", action="store_true", help=argparse.SUPPRESS)  # the spmd child process
     args = ap.parse_args(argv)
     if args.spmd_here:
@@ -251,6 +309,10 @@ def main(argv=None) -> int:
             out = os.path.join(tmp, "result.json")
             mp.spawn(_worker, args=(args.procs, _free_port(), args, out), nprocs=args.procs)
             result["fsdp2"] = json.loads(Path(out).read_text())
+        if "ddp" in args.only.split(","):
+            out = os.path.join(tmp, "ddp.json")
+            mp.spawn(_ddp_worker, args=(args.procs, _free_port(), args, out), nprocs=args.procs)
+            result["ddp"] = json.loads(Path(out).read_text())
         if "spmd" in args.only.split(","):
             env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(args.devices),
                    "XLA_FLAGS": f"--xla_dump_to={tmp}/hlo --xla_dump_hlo_as_text"}

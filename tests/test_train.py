@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import (ENV, ROOT, losses, metrics, patched_script, run, run_patched, sigterm_during_step, tiny_config,
+from helpers import (ENV, ROOT, losses, metrics, patched_env, patched_script, run, run_patched, sigterm_during_step, tiny_config,
                      wait_for_a_signal_at_step, wait_for_file)
 from training.checkpoint import list_checkpoints
 from training.data import data_fingerprint
@@ -172,9 +172,9 @@ def one_process(tmp_path_factory, stdlib_data) -> dict[int, float]:
     return losses(d / "run")
 
 
-def torchrun(cfg, *overrides, **kw):
+def torchrun(cfg, *overrides, env=None, **kw):
     return subprocess.Popen([TORCHRUN, "--standalone", "--nproc_per_node=2", "train.py", str(cfg),
-                             "training.batch_size=2", *overrides], cwd=ROOT, env=ENV,
+                             "training.batch_size=2", *overrides], cwd=ROOT, env=env or ENV,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
 
 
@@ -228,6 +228,20 @@ def test_fsdp2_muon_matches_one_process(tmp_path, stdlib_data):
     assert sorted(a) == sorted(b) == list(range(1, 9))
     for step in a:  # fp32: only the order of the gradient sums differs
         assert abs(a[step] - b[step]) <= 1e-5 * abs(a[step]), (step, a[step], b[step])
+    # DDP: the replicas share the Newton-Schulz work (each a share of the matrices, one all-gather)
+    (tmp_path / "ddp").mkdir()
+    shared = ("import os\nfrom training import optim\nreal = optim._orthogonalised_by_share\n"
+              "def by_share(m, steps, group):\n"
+              f"    open(os.path.join({str(tmp_path)!r}, 'shared' + os.environ['RANK']), 'w').close()\n"
+              "    return real(m, steps, group)\n"
+              "optim._orthogonalised_by_share = by_share\n")
+    proc = torchrun(tiny_config(tmp_path / "ddp", stdlib_data, **over), env=patched_env(tmp_path, shared))
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    assert (tmp_path / "shared0").exists() and (tmp_path / "shared1").exists()
+    c = losses(tmp_path / "ddp" / "run")
+    for step in a:
+        assert abs(a[step] - c[step]) <= 1e-5 * abs(a[step]), (step, a[step], c[step])
 
 
 ORTHOGONALISE_SHARDS = f"""
@@ -250,6 +264,11 @@ for shape in [(3, 10, 6), (3, 6, 10), (2, 7, 7)]:  # Muon's stacks of FSDP2 shar
     assert comms.get_total_counts() == 2, (shape, comms.get_comm_counts())
     assert o.placements == stack.placements and o.to_local().shape == stack.to_local().shape, shape
     assert torch.equal(o.full_tensor(), newton_schulz(whole)), shape
+# DDP replicas: each orthogonalises its share of the same stack, one all-gather gives all of it
+# (3 matrices over 2 processes: the second share is one matrix and a zero pad)
+for shape in [(3, 10, 6), (1, 6, 10), (4, 7, 7)]:
+    whole = torch.randn(shape)
+    assert torch.equal(orthogonalised(whole, 5, spread=dist.group.WORLD), newton_schulz(whole)), shape
 open(f"{{sys.argv[1]}}/ok{{dist.get_rank()}}", "w").close()
 dist.destroy_process_group()
 """

@@ -473,6 +473,14 @@ class TorchBackend(Backend):
             return fused_adamw
         return None  # MPS: the tensor-op AdamW of training.optim
 
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """DDP replicas hold the same all-reduced gradients: Muon's Newton-Schulz work is shared
+        among them (each a share of every shape's matrices, one all-gather) instead of repeated on
+        each. FSDP2 shares it by the matrices' shards already (``training.optim.orthogonalised``)."""
+        from .optim import Muon
+        if isinstance(optimizer, Muon) and self.distributed and not self.fsdp and self.world_size > 1:
+            optimizer.spread_over = dist.group.WORLD
+
     def batches(self, iterable):
         return OnDevice(iterable, self.device, pin=self.device.type == "cuda")
 

@@ -156,7 +156,7 @@ def newton_schulz(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
     return x.mT if transposed else x
 
 
-def orthogonalised(m: torch.Tensor, steps: int, lay_out=None) -> torch.Tensor:
+def orthogonalised(m: torch.Tensor, steps: int, lay_out=None, spread=None) -> torch.Tensor:
     """``newton_schulz`` of a stack of matrices ``[L, rows, cols]``, laid out by whole matrices
     where the matrices are sharded: Newton-Schulz multiplies whole matrices, and on row shards
     every one of its 15 products needs a collective.
@@ -168,7 +168,11 @@ def orthogonalised(m: torch.Tensor, steps: int, lay_out=None) -> torch.Tensor:
     10x the bytes (bench/optimizer.py). ``lay_out(t)`` is a backend's annotation of the same
     layout (XLA SPMD: the layer dimension sharded over the matrices' mesh axes), applied to the
     stack and to the result: XLA then moves whole matrices instead of all-reducing a Gram
-    product at each iteration."""
+    product at each iteration. ``spread``: the process group of DDP replicas, which all hold the
+    same stack (the gradients are all-reduced): each orthogonalises its share of the matrices
+    and one all-gather gives every replica all of them, instead of each doing all the work."""
+    if spread is not None:
+        return _orthogonalised_by_share(m, steps, spread)
     if lay_out is not None:
         lay_out(m)
         o = newton_schulz(m, steps)
@@ -184,6 +188,21 @@ def orthogonalised(m: torch.Tensor, steps: int, lay_out=None) -> torch.Tensor:
                               stride=m.stride()).redistribute(mesh, placements)
 
 
+def _orthogonalised_by_share(m: torch.Tensor, steps: int, group) -> torch.Tensor:
+    """``newton_schulz`` of the stack ``m [L, rows, cols]`` that every process of ``group`` holds,
+    each computing ceil(L / processes) of the matrices (zero matrices pad the last share: their
+    Newton-Schulz is zero), then one all-gather."""
+    import torch.distributed as dist
+    world, rank, count = dist.get_world_size(group), dist.get_rank(group), m.shape[0]
+    share = -(-count // world)
+    mine = newton_schulz(m[rank * share:(rank + 1) * share], steps)
+    if mine.shape[0] < share:   # the last shares: fewer matrices, or none
+        mine = torch.cat([mine, mine.new_zeros(share - mine.shape[0], *mine.shape[1:])])
+    out = mine.new_empty(share * world, *mine.shape[1:])
+    dist.all_gather_into_tensor(out, mine.contiguous(), group=group)
+    return out[:count]
+
+
 class Muon(AdamW):
     """Muon on groups with ``use_muon=True`` (2-D matrices), AdamW on the others.
 
@@ -192,7 +211,8 @@ class Muon(AdamW):
     runs it in bf16). Skips the whole update (state included) where ``found_inf`` is 1.
     ``lay_out_by_matrix(stack, params)``, set by a backend whose matrices are sharded by
     annotation (XLA SPMD), lays a stack of ``params``' updates out by whole matrices
-    (``orthogonalised``).
+    (``orthogonalised``); ``spread_over``, set by a backend of DDP replicas (train.py under
+    torchrun), is their process group, over which each shape's Newton-Schulz work is shared.
 
     Matrices of one shape (the same projection in every layer) are orthogonalised together, as one
     batch: a few large products instead of many small ones, and on XLA a trace per shape, not per
@@ -209,6 +229,7 @@ class Muon(AdamW):
                         ns_steps=ns_steps, use_muon=False)
         torch.optim.Optimizer.__init__(self, param_groups, defaults)
         self.lay_out_by_matrix = None
+        self.spread_over = None
         self.fused = fused   # the AdamW groups through torch's fused kernel (CPU, CUDA)
 
     def _state(self, p, group):
@@ -245,7 +266,7 @@ class Muon(AdamW):
                 # Nesterov; one lerp per matrix (FSDP2's DTensor has no rule for _foreach_lerp)
                 lay_out = self.lay_out_by_matrix and functools.partial(self.lay_out_by_matrix, params=same)
                 o = orthogonalised(torch.stack([g.lerp(b, mu) for g, b in zip(grads, bufs)]), group["ns_steps"],
-                                   lay_out)
+                                   lay_out, self.spread_over)
                 del grads
                 o = o * (lr * max(1.0, shape[0] / shape[1]) ** 0.5 * keep)
                 torch._foreach_mul_(same, decay)
