@@ -849,6 +849,30 @@ def test_a_step_with_a_refused_batch_is_never_saved(tmp_path, stdlib_data):
     assert sorted(p.name for p in (tmp_path / "run").glob("ckpt_*")) == ["ckpt_00000001.pt", "ckpt_00000002.pt"]
 
 
+def test_a_save_between_log_steps_counts_the_steps_skipped_since_the_last_log(tmp_path, stdlib_data):
+    """The checkpoint's count of non-finite (skipped) steps came from the log lines only: a save
+    at step 3 with a step skipped at 2 and logs every 4 recorded 0, and the resumed run's
+    nonfinite_skipped stayed 1 short for good."""
+    cfg = tiny_config(tmp_path, stdlib_data, **{"training.max_steps": 4, "logging.interval": 4,
+                                                "evaluation.interval": 0, "checkpoint.interval": 3})
+    nan_at_step_2 = ("from training import loop\n"
+                     "calls = [0]\n"
+                     "class Poisoned(loop.NashMHC):\n"
+                     "    def forward(self, idx, targets=None):\n"
+                     "        out = super().forward(idx, targets)\n"
+                     "        if self.training and targets is not None:\n"
+                     "            calls[0] += 1\n"
+                     "            if calls[0] == 2:\n"
+                     "                out.loss = out.loss * float('nan')\n"
+                     "        return out\n"
+                     "loop.NashMHC = Poisoned\n")
+    r = run_patched(tmp_path, nan_at_step_2, ["train.py", str(cfg)])
+    assert r.returncode == 0, r.stderr[-3000:]
+    ckpt = torch.load(tmp_path / "run" / "ckpt_00000003.pt", weights_only=True)
+    assert ckpt["nonfinite"] == {"total": 1}
+    assert metrics(tmp_path / "run")[-1]["nonfinite_skipped"] == 1
+
+
 def test_a_token_budget_resumed_with_another_batch_keeps_its_budget_and_its_schedule(tmp_path, stdlib_data):
     """training.total_tokens on resume: the steps left are the tokens left in steps of the new size,
     and the cosine goes on from the tokens trained on. Before, max_steps was the whole budget in

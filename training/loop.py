@@ -557,6 +557,11 @@ class Trainer:
         state = self.state
         self.backend.wait_host()  # pending log lines update state.nonfinite_total
         self.backend.wait_device()  # the steps before are training time, not the save's
+        # and the steps skipped since the last log line (a save between log steps recorded only
+        # those logged, and the resumed run's count stayed short for good): one read, at a save
+        skipped_now = int(self.skipped.cpu())   # a transfer, not .item() (an aten fallback on XLA)
+        state.nonfinite_total += skipped_now - self.skipped_logged
+        self.skipped_logged = skipped_now
         t0 = time.time()  # after the last log line's clock: the pause starts here
         pos = self.stream.advance(state.epoch, state.offset, state.batches_done)
         meta = {
