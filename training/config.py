@@ -97,7 +97,9 @@ class TrainingConfig:
 @dataclass
 class EvaluationConfig:
     interval: int = _help("evaluate every this many steps (0: only at the end)", default=200)
-    steps: int = _help("validation batches per evaluation", default=20)
+    steps: int = _help("validation batches per evaluation, each batch_size per replica x replicas sequences "
+                       "(accumulation aside): the same samples at every evaluation while those stay the same",
+                       default=20)
 
 
 @dataclass

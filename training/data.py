@@ -360,7 +360,9 @@ class DataStream:
 def eval_batches(dataset: Dataset, batch_size: int, steps: int, num_replicas: int, rank: int):
     """The first ``steps`` global batches of the split in file order, this replica's share.
 
-    The same samples at every evaluation, so eval losses are comparable across steps and runs.
+    The same samples at every evaluation, so eval losses are comparable across steps, and across
+    runs with the same ``batch_size x num_replicas`` (gradient accumulation does not enter: a run
+    of batch 4 on one process and one of batch 1 x accumulation 2 on two evaluate 8 and 4 samples).
     """
     steps = max(1, min(steps, len(dataset) // (batch_size * num_replicas)))
     sampler = ResumableSampler(dataset, num_replicas, rank, seed=0, shuffle=False)
