@@ -96,38 +96,51 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def model_config(args):
+    """The benchmark's model: ``--d-model`` wide, ``--layers`` deep, heads of 64, kv heads of 128."""
+    from model import ModelConfig
+    return ModelConfig(vocab_size=4096, d_model=args.d_model, n_layers=args.layers,
+                       n_heads=max(1, args.d_model // 64), n_kv_heads=max(1, args.d_model // 128),
+                       max_seq_len=args.seq)
+
+
+def model_and_optimizer(backend, cfg, args):
+    """The benchmark's model (the same weights every call) on ``backend`` and its Muon."""
+    from model import NashMHC
+    from training.optim import build_optimizer
+    torch.manual_seed(0)
+    model = backend.prepare_model(NashMHC(model_config(args)), cfg)
+    return model, build_optimizer(model, cfg.training, backend.adamw_factory())
+
+
 def _worker(rank: int, world: int, port: int, args, out_file: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     import training.optim as optim
-    from model import ModelConfig, NashMHC
     from training.backend import TorchBackend
     from training.config import load_config
-    from training.optim import build_optimizer, newton_schulz
+    from training.optim import newton_schulz
 
     cfg = load_config(None, ["training.max_steps=1", "training.optimizer=muon", "training.fsdp=true"])
     backend = TorchBackend("cpu", fsdp=True)
-    mcfg = ModelConfig(vocab_size=4096, d_model=args.d_model, n_layers=args.layers,
-                       n_heads=max(1, args.d_model // 64), n_kv_heads=max(1, args.d_model // 128),
-                       max_seq_len=args.seq)
+    vocab = model_config(args).vocab_size
     forms = {}
     for form in FORMS:
-        torch.manual_seed(0)
-        model = backend.prepare_model(NashMHC(mcfg), cfg)
-        forms[form] = (model, build_optimizer(model, cfg.training, backend.adamw_factory()))
+        forms[form] = model_and_optimizer(backend, cfg, args)
     forms["tensor_op_adamw"][1].fused = False
-    def gathered(m, steps, lay_out=None):
+    def gathered(m, steps, lay_out=None, spread=None):
         from torch.distributed.tensor import DTensor, Replicate
         whole = [Replicate()] * m.device_mesh.ndim
         return DTensor.from_local(newton_schulz(m.full_tensor(), steps), m.device_mesh, whole,
                                   run_check=False).redistribute(m.device_mesh, m.placements)
 
     implementations = {"by_matrix": optim.orthogonalised, "gathered": gathered,
-                       "per_product": lambda m, steps, lay_out=None: newton_schulz(m, steps),  # DTensor's rules at each product
+                       # DTensor's rules at each product
+                       "per_product": lambda m, steps, lay_out=None, spread=None: newton_schulz(m, steps),
                        "tensor_op_adamw": optim.orthogonalised}
     g = torch.Generator().manual_seed(rank)
-    x = torch.randint(0, mcfg.vocab_size, (args.batch, args.seq), generator=g)
+    x = torch.randint(0, vocab, (args.batch, args.seq), generator=g)
     times: dict = {form: [] for form in FORMS}
     comms: dict = {}
     for r in range(args.repeats + 1):
@@ -172,27 +185,21 @@ def _ddp_worker(rank: int, world: int, port: int, args, out_file: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    from model import ModelConfig, NashMHC
     from training.backend import TorchBackend
     from training.config import load_config
-    from training.optim import build_optimizer
 
     cfg = load_config(None, ["training.max_steps=1", "training.optimizer=muon"])
     backend = TorchBackend("cpu")
-    mcfg = ModelConfig(vocab_size=4096, d_model=args.d_model, n_layers=args.layers,
-                       n_heads=max(1, args.d_model // 64), n_kv_heads=max(1, args.d_model // 128),
-                       max_seq_len=args.seq)
+    vocab = model_config(args).vocab_size
     forms = {}
     for form in ("shared", "every_replica"):
-        torch.manual_seed(0)
-        model = backend.prepare_model(NashMHC(mcfg), cfg)
-        opt = build_optimizer(model, cfg.training, backend.adamw_factory())
+        model, opt = model_and_optimizer(backend, cfg, args)
         backend.prepare_optimizer(opt)
         forms[form] = (model, opt)
     assert forms["shared"][1].spread_over is not None
     forms["every_replica"][1].spread_over = None
     g = torch.Generator().manual_seed(rank)
-    x = torch.randint(0, mcfg.vocab_size, (args.batch, args.seq), generator=g)
+    x = torch.randint(0, vocab, (args.batch, args.seq), generator=g)
     times: dict = {form: [] for form in forms}
     for r in range(args.repeats + 1):
         for form, (model, opt) in forms.items():
@@ -225,9 +232,7 @@ def _spmd(args) -> dict:
     import torch_xla
     import torch_xla.core.xla_model as xm
 
-    from model import ModelConfig, NashMHC
     from training.config import load_config
-    from training.optim import build_optimizer
     from training.xla_backend import XLABackend
 
     data = Path(os.environ["XLA_FLAGS"].split("--xla_dump_to=")[1].split()[0]).parent / "data"
@@ -236,20 +241,16 @@ def _spmd(args) -> dict:
     cfg = load_config(None, ["training.max_steps=1", "training.optimizer=muon", "xla.mode=spmd",
                              "xla.mesh.data=1", f"xla.mesh.fsdp={args.devices}", f"data.dir={data}"])
     backend = XLABackend(cfg)
-    mcfg = ModelConfig(vocab_size=4096, d_model=args.d_model, n_layers=args.layers,
-                       n_heads=max(1, args.d_model // 64), n_kv_heads=max(1, args.d_model // 128),
-                       max_seq_len=args.seq)
+    vocab = model_config(args).vocab_size
     forms = {}
     for form in ("by_matrix", "per_product"):
-        torch.manual_seed(0)
-        model = backend.prepare_model(NashMHC(mcfg), cfg)
-        opt = build_optimizer(model, cfg.training, backend.adamw_factory())
+        model, opt = model_and_optimizer(backend, cfg, args)
         opt.init_state()
         backend.prepare_optimizer(opt)
         if form == "per_product":
             opt.lay_out_by_matrix = None
         forms[form] = (model, opt)
-    x = torch.randint(0, mcfg.vocab_size, (args.batch * args.devices, args.seq),
+    x = torch.randint(0, vocab, (args.batch * args.devices, args.seq),
                       generator=torch.Generator().manual_seed(0)).to(backend.device)
     dump = os.environ["XLA_FLAGS"].split("--xla_dump_to=")[1].split()[0]
     shape = re.compile(r"= (\w+)\[([\d,]*)\]\{[^}]*\} (all-gather|all-reduce|all-to-all|reduce-scatter|collective-permute)(?:-start)?\(")
