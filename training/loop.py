@@ -193,8 +193,10 @@ def check_resume_compatible(cfg: Config, ckpt: dict, path: Path, optimizer: bool
     except (ConfigError, KeyError) as e:
         raise CheckpointError(f"{path}: stored config unreadable ({e})") from None
     was, now = architecture(saved), architecture(cfg.model)
-    structural = [f"model.{k}: {yaml_value(was.get(k))} -> {yaml_value(now.get(k))}"
-                  for k in {**was, **now} if was.get(k) != now.get(k)]
+    # a key one side lacks (mHC's without streams) differs because mhc_streams or nash_scales does,
+    # which is said: only the keys both have are listed
+    structural = [f"model.{k}: {yaml_value(was[k])} -> {yaml_value(now[k])}"
+                  for k in was if k in now and was[k] != now[k]]
     if structural:
         raise CheckpointError(f"{path}: model config differs from the checkpoint's ({'; '.join(structural)})")
     if not optimizer:
