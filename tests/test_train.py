@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import (ENV, ROOT, losses, metrics, patched_env, patched_script, run, run_patched, sigterm_during_step, tiny_config,
-                     wait_for_a_signal_at_step, wait_for_file)
+from helpers import (ENV, ROOT, losses, metrics, patched_env, patched_script, run, run_patched, sigterm_during_step,
+                     tiny_config, wait_for_a_signal_at_step, wait_for_file)
 from training.checkpoint import list_checkpoints
 from training.data import data_fingerprint
 
@@ -819,7 +819,8 @@ def test_a_bad_batch_on_one_process_stops_every_process_with_its_reason(tmp_path
                                    "    batch = real(self)\n"
                                    "    calls[0] += 1\n"
                                    "    if os.environ.get('RANK') == '1' and calls[0] == 3:\n"
-                                   "        raise ConfigError('train_00000.npy: token 5 is id 9999, not below the vocabulary')\n"
+                                   "        raise ConfigError('train_00000.npy: token 5 is id 9999, not below "
+                              "the vocabulary')\n"
                                    "    return batch\n"
                                    "data.DataStream.__next__ = nxt\n",
                     "train_00000.npy: token 5 is id 9999, not below the vocabulary")
