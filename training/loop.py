@@ -410,6 +410,12 @@ class Trainer:
                           f"{state.epoch} is drawn in another order, so its remaining samples are not "
                           "the ones the run had left (some come twice, some not at all)")
 
+    def _count_skipped(self, skipped_now: int) -> None:
+        """Fold this process's device counter of skipped steps (``self.skipped``, read at a log line
+        or a save) into the run's total, which checkpoints carry across resumes."""
+        self.state.nonfinite_total += skipped_now - self.skipped_logged
+        self.skipped_logged = skipped_now
+
     def tokens_at(self, step: int) -> int:
         return self.start_tokens + (step - self.start_step) * self.tokens_per_step
 
@@ -503,9 +509,7 @@ class Trainer:
         dt = max(now - self.last_log_time - paused_s, 1e-9)  # training time only
         steps = step - self.last_log_step
         self.last_log_time, self.last_log_step = now, step
-        skipped_now = int(values.pop("_skipped"))
-        state.nonfinite_total += skipped_now - self.skipped_logged
-        self.skipped_logged = skipped_now
+        self._count_skipped(int(values.pop("_skipped")))
         if values.pop("_worst_streak") >= t_cfg.max_nonfinite_steps:
             self.stop_nonfinite = True
         rec = {"loss": values.pop("loss"), "lr": lr, "grad_norm": values.pop("grad_norm"),
@@ -561,9 +565,7 @@ class Trainer:
         self.backend.wait_device()  # the steps before are training time, not the save's
         # and the steps skipped since the last log line (a save between log steps recorded only
         # those logged, and the resumed run's count stayed short for good): one read, at a save
-        skipped_now = int(self.skipped.cpu())   # a transfer, not .item() (an aten fallback on XLA)
-        state.nonfinite_total += skipped_now - self.skipped_logged
-        self.skipped_logged = skipped_now
+        self._count_skipped(int(self.skipped.cpu()))   # a transfer, not .item() (an aten fallback on XLA)
         t0 = time.time()  # after the last log line's clock: the pause starts here
         pos = self.stream.advance(state.epoch, state.offset, state.batches_done)
         meta = {
