@@ -38,12 +38,13 @@ def plan_main(capsys, *argv, entry="xla"):
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["no-ckpt", "ckpt"])
 def test_predicted_step_peak_is_the_measured_one(model, streams, checkpointing):
     """The peak of a real CPU step, counted by the allocator (torch.profiler's memory events),
-    against the planner's trace of the same step on fake tensors. The issue asks for 20%; the
-    trace replays the same ops with the same lifetimes, and bench/plan.py measures 0.1%."""
+    against the planner's trace of the same step on fake tensors. The issue asked for 20%; the
+    trace replays the same ops with the same lifetimes and agrees within 0.05% in every case here,
+    so 1% is the bound: one optimiser state tensor left out of the plan is 4-17% of the peak."""
     cfg = small_config(dict(model, mhc_streams=streams, activation_checkpointing=checkpointing))
     measured = measure_step_peak(cfg)
     predicted = P.predict_step_peak(cfg)
-    assert abs(predicted / measured - 1) < 0.2, (predicted, measured)
+    assert abs(predicted / measured - 1) < 0.01, (predicted, measured)
 
 
 def _saved_by_compiled_forward(cfg) -> int:
@@ -134,7 +135,7 @@ def test_xla_prediction_counts_attention_scores_as_the_math_path_makes_them():
     cfg = small_config(dict(DEMO, mhc_streams=4))
     measured = measure_step_peak(cfg, entry="xla")
     predicted = P.predict_step_peak(cfg, entry="xla")
-    assert abs(predicted / measured - 1) < 0.2, (predicted, measured)
+    assert abs(predicted / measured - 1) < 0.01, (predicted, measured)   # 0.09% here
     assert measured > measure_step_peak(cfg)  # the scores cost memory a fused kernel does not
 
 
@@ -373,9 +374,9 @@ def test_chunked_cross_entropy_lowers_the_measured_peak_as_planned():
     p_whole, p_chunked = P.predict_step_peak(whole), P.predict_step_peak(chunked)
     logits = 4 * 256 * 16384 * 4  # one fp32 [tokens, vocab] tensor
     assert m_whole - m_chunked > logits
-    assert abs((p_whole - p_chunked) / (m_whole - m_chunked) - 1) < 0.2
+    assert abs((p_whole - p_chunked) / (m_whole - m_chunked) - 1) < 0.03   # 1.3% here
     for predicted, measured in ((p_whole, m_whole), (p_chunked, m_chunked)):
-        assert abs(predicted / measured - 1) < 0.2
+        assert abs(predicted / measured - 1) < 0.01, (predicted, measured)
 
 
 @pytest.mark.xla
