@@ -693,8 +693,11 @@ def test_the_nash_game_is_fp32_under_autocast():
         fused, stats = attn.aggregate(outs, start, hidden)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             fused_ac, stats_ac = attn.aggregate(outs, start, hidden)
+        ref, ref_stats = attn.aggregate([o.float() for o in outs], start, hidden)   # fp32 in, fp32 out
     assert fused_ac.dtype == torch.bfloat16 and stats_ac.dtype == torch.float32
     assert torch.equal(fused_ac, fused) and torch.equal(stats_ac, stats)
+    # the fp32 game's result, rounded once at the end (a game on the bf16 values is not)
+    assert torch.equal(fused_ac, ref.bfloat16()) and torch.equal(stats_ac, ref_stats)
 
 
 @pytest.mark.parametrize("streams", [4, 1])
