@@ -646,7 +646,7 @@ def stream_write(h, y, res, post):
         # gradient's element-wise producers inside every consumer it fuses them into
         hy = torch.cat([h.to(res.dtype), y.to(res.dtype).unsqueeze(-2)], dim=-2)          # [..., n + 1, C]
         return _grouped_mix(torch.cat([res, post.unsqueeze(-1)], dim=-1), hy).to(h.dtype)
-    if torch.compiler.is_compiling():
+    if _fusing(h):   # torch.compile
         out = (res.unsqueeze(-1) * h.unsqueeze(-3)).sum(dim=-2) + post.unsqueeze(-1) * y.unsqueeze(-2)
         return out.to(h.dtype)
     return _StreamWrite.apply(h, y, res, post)
