@@ -404,9 +404,22 @@ def test_nonfinite_steps_are_skipped_then_the_run_stops(tmp_path, stdlib_data, m
     code = loop.train(cfg, TorchBackend("cpu"))
     assert code == 3
     rows = metrics(tmp_path / "run")
-    assert rows[-1]["nonfinite_skipped"] >= 3
-    ck = torch.load(next((tmp_path / "run").glob("ckpt_*.pt")), weights_only=True)
-    assert all(torch.isfinite(v).all() for v in ck["model"].values() if v.is_floating_point())
+    # steps 5, 6 and 7 skipped: the third in a row stops the run there, with one save
+    assert [r["step"] for r in rows] == list(range(1, 8))
+    assert [r["nonfinite_skipped"] for r in rows] == [0, 0, 0, 0, 1, 2, 3]
+    assert [p.name for p in (tmp_path / "run").glob("ckpt_*.pt")] == ["ckpt_00000007.pt"]
+    ck = torch.load(tmp_path / "run" / "ckpt_00000007.pt", weights_only=True)
+    # what it holds is step 4's state: the weights of a run that ended there
+    monkeypatch.undo()
+    ref_dir = tmp_path / "ref"
+    ref_dir.mkdir()
+    ref_cfg = load_config(tiny_config(ref_dir, stdlib_data, **{"training.max_steps": 4}),
+                          ["evaluation.interval=0", "checkpoint.interval=0"])
+    assert loop.train(ref_cfg, TorchBackend("cpu")) == 0
+    ref = torch.load(ref_dir / "run" / "ckpt_00000004.pt", weights_only=True)
+    assert ck["model"].keys() == ref["model"].keys()
+    for k, v in ck["model"].items():
+        assert torch.equal(v, ref["model"][k]), k
 
 
 def test_resume_refuses_a_different_architecture(tmp_path, stdlib_data):
