@@ -453,8 +453,14 @@ def test_tensorboard_and_wandb_offline(tmp_path, stdlib_data):
     r = run(["train.py", str(cfg), "logging.tensorboard=true", "logging.wandb.enabled=true",
              "logging.wandb.mode=offline"], env=env)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert list((tmp_path / "run" / "tb").glob("events.out.tfevents.*"))
-    assert list((tmp_path / "run").rglob("offline-run-*"))
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(tmp_path / "run" / "tb"))
+    events.Reload()
+    # every step's loss, as metrics.jsonl has it (TensorBoard stores float32)
+    logged = {m["step"]: m["loss"] for m in metrics(tmp_path / "run")}
+    assert {e.step: e.value for e in events.Scalars("loss")} == pytest.approx(logged, rel=1e-6)
+    assert sorted(logged) == [1, 2, 3]
+    assert list((tmp_path / "run").rglob("offline-run-*"))   # its records: tests/test_training_core.py
 
 
 def test_metrics_continue_cleanly_after_a_crash_and_a_fresh_start(tmp_path, stdlib_data):
