@@ -243,10 +243,12 @@ def _cuda_ms(fns: dict, warmup: int = 3, repeats: int = 20) -> dict:
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def attention_calls(cfg, batch: int, seq: int, device: str) -> dict:
+def attention_calls(cfg, batch: int, seq: int, device: str, compiled: bool = True) -> dict:
     """Nash attention's SDPA calls at ``cfg``'s shape, each as ``(model form, flex form)``: callables
     of ``(q, k, v)`` for the model's ``local_attention``/``attend`` with its masks, and
-    flex_attention with a block mask of the same visibility (None where flex is not importable)."""
+    flex_attention with a block mask of the same visibility (None where flex is not importable),
+    torch.compile'd unless ``compiled`` is False (eager flex_attention: PyTorch's reference
+    implementation, slow, but it runs wherever torch does)."""
     import torch
     from model import NashAttention, attend, attention_masks, local_attention
 
@@ -255,7 +257,7 @@ def attention_calls(cfg, batch: int, seq: int, device: str) -> dict:
     pool = NashAttention(cfg).pool          # the model's pooling (mean, or learned weights at init)
     try:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-        flex = torch.compile(flex_attention, fullgraph=True, dynamic=False)
+        flex = torch.compile(flex_attention, fullgraph=True, dynamic=False) if compiled else flex_attention
     except ImportError:
         flex = create_block_mask = None
 
@@ -270,12 +272,17 @@ def attention_calls(cfg, batch: int, seq: int, device: str) -> dict:
     if W:
         calls[f"scale 0: window {W}"] = (lambda q, k, v: local_attention(q, k, v, W, masks.get("local")),
                                          flex_form(lambda b, h, t, s: (s <= t) & (t - s < W), seq))
+    # attention_masks' scale l as a mask_mod, the block size in a closure: as a default argument
+    # (one code object for every scale) flex_attention, through Dynamo (eager flex too), ran
+    # scale 2 with scale 1's mask after the window's call (tests/test_bench.py)
+    def seen_at(blk):
+        def seen(b, h, t, j):
+            return ((j + 1) * blk - 1 <= t) | ((j == 0) & (t < blk - 1))
+        return seen
+
     for l in range(1, cfg.nash_scales):
         blk = r ** l
-
-        def seen(b, h, t, j, blk=blk):   # attention_masks' scale l, as a mask_mod
-            return ((j + 1) * blk - 1 <= t) | ((j == 0) & (t < blk - 1))
-        pooled = flex_form(seen, seq // blk)
+        pooled = flex_form(seen_at(blk), seq // blk)
         calls[f"scale {l}: {seq // blk} pooled keys"] = (
             lambda q, k, v, l=l, m=masks[f"scale{l}"]: attend(q, pool(k, l), pool(v, l), m),
             pooled and (lambda q, k, v, l=l, f=pooled: f(q, pool(k, l), pool(v, l))))

@@ -465,6 +465,29 @@ def test_bench_gpu_attention_times_each_call_against_flex(tmp_path, monkeypatch)
         assert timed == (["model", "flex"] * 2 if "flex_ms" in r else ["model"] * 2)
 
 
+def test_bench_gpu_flex_forms_see_what_the_model_sees():
+    """bench/gpu.py's flex_attention forms compute the model's attention calls: the same outputs
+    from eager flex_attention (PyTorch's reference path; the compiled one fails on the CPU, so the
+    comparison above is made on a GPU only), i.e. block masks of the same visibility as the
+    model's masks, for the window and every pooled scale, at a length with several window chunks
+    and a padded last one."""
+    import torch
+
+    from bench import gpu
+    from model import ModelConfig
+
+    seq = 80    # window 24: 4 chunks, the last padded; blocks of 4 and 16 tokens
+    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, max_seq_len=seq,
+                      nash_scales=3, nash_compression=4, nash_window=24)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, seq, 16, generator=g)
+    k, v = (torch.randn(1, 1, seq, 16, generator=g) for _ in range(2))
+    calls = gpu.attention_calls(cfg, 1, seq, "cpu", compiled=False)
+    assert len(calls) == 4
+    for name, (model_form, flex_form) in calls.items():
+        torch.testing.assert_close(flex_form(q, k, v), model_form(q, k, v), rtol=1e-5, atol=1e-5, msg=name)
+
+
 @pytest.mark.parametrize("name, kind", [       # kernel names from bench/gpu.py's profile on an H100
     ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x64_1x4x1", "attention"),
     ("void cudnn::fusion::compute_dot_do_o_specialized<true, 64>(void const*, void const*)", "attention"),
@@ -477,3 +500,4 @@ def test_bench_gpu_attention_times_each_call_against_flex(tmp_path, monkeypatch)
 def test_bench_gpu_kernel_kinds(name, kind):
     from bench import gpu
     assert gpu.kernel_kind(name) == kind
+
