@@ -642,9 +642,10 @@ def render(args, report: dict) -> str:
          f"{args.seq}, d_model {args.d_model}, {args.n_layers} layers, {args.n_heads} heads ({args.n_kv_heads} kv), "
          f"vocab {args.vocab}, window {args.window}, sinkhorn_iters {args.sinkhorn_iters}"
          + (f", stream_dtype {args.stream_dtype}" if args.stream_dtype else "")
-         + f"; {args.threads} thread(s); median of {args.repeats} interleaved rounds after {args.warmup}; "
-         f"{'tuned' if args.tuned_malloc else 'default'} glibc malloc; load average {report['load'][0]:.2f} at the "
-         f"start, {report['load'][1]:.2f} at the end"]
+         + f"; {args.threads} thread(s)"
+         + ("" if args.hlo_only else f"; median of {args.repeats} interleaved rounds after {args.warmup}; "
+            f"{'tuned' if args.tuned_malloc else 'default'} glibc malloc")
+         + f"; load average {report['load'][0]:.2f} at the start, {report['load'][1]:.2f} at the end"]
     timed = {b: r for b, r in report["backends"].items() if "results" in r}
     if timed:
         w = max([19] + [len(v) + 2 for r in timed.values() for v in r["results"]])   # NAME+field=value ones
@@ -660,10 +661,10 @@ def render(args, report: dict) -> str:
                     mem = f"{x['peak_rss'] / 2**20:>9.0f}MiB peak{x['step_rss'] / 2**20:>7.0f}MiB step"
                 L.append(f"{b:<9}{v:<{w}}{x['params']:>11,}{x['wall_s'] * 1e3:>10.1f}ms{x['cpu_s'] * 1e3:>9.1f}ms"
                          f"{ratio:>13}{x['warmup_s']:>9.1f}s{wratio:>12}{mem}")
-        L.append("x baseline: wall / CPU time (warm-up: wall; compile: the median of each variant's alone, in a "
-                 f"process of its own, {args.warmup_rounds} round(s) of the variants in turn) over 'baseline' in "
-                 "the same process; targets for "
-                 "nash-mhc: " + ", ".join(f"{b} <= {t}" for b, t in TARGETS.items()))
+        alone = ("; compile: the median of each variant's alone, in a process of its own, "
+                 f"{args.warmup_rounds} round(s) of the variants in turn" if "compile" in timed else "")
+        L.append(f"x baseline: wall / CPU time (warm-up: wall{alone}) over 'baseline' in the same process; "
+                 "targets for nash-mhc: " + ", ".join(f"{b} <= {t}" for b, t in TARGETS.items()))
         split = [b for b, r in timed.items() if "baseline" in r["results"]]
         if split:
             L += ["", "| backend | baseline | Nash-MHC | ratio | mHC alone | Nash alone | warm-up ratio "

@@ -118,6 +118,10 @@ def main() -> None:
     for flag, value in (("--passes", args.passes), ("--repeats", args.repeats), ("--vocab-size", args.vocab_size)):
         if value is not None and value < 1:
             ap.error(f"{flag} must be at least 1, got {value}")
+    if args.workdir and not Path(args.workdir).is_dir():
+        ap.error(f"--workdir {args.workdir}: no such directory")
+    if args.tokenizer and not (Path(args.tokenizer).is_file() or (Path(args.tokenizer) / "tokenizer.json").is_file()):
+        ap.error(f"--tokenizer {args.tokenizer}: no tokenizer.json there")
 
     from tokenizers import Tokenizer
     import tokenizers
