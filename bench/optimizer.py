@@ -7,7 +7,7 @@ train.py's FSDP2 and under train_xla.py's SPMD.
 fsdp2:
 
 Under FSDP2 every matrix is a DTensor split by rows over the processes, and Muon's Newton-Schulz
-is a product of whole matrices (training/optim.py). Three forms of the same update, side by side in
+is a product of whole matrices (training/optim.py). Four forms of the same update, side by side in
 one run on the CPU (gloo, ``--procs`` processes started here, the real ``TorchBackend`` with
 ``training.fsdp``, ``build_optimizer`` with ``training.optimizer=muon``):
 
@@ -24,7 +24,7 @@ one run on the CPU (gloo, ``--procs`` processes started here, the real ``TorchBa
   updated in training.optim's tensor ops (~13 per parameter, each through DTensor) instead of
   torch's fused AdamW kernel, which the CPU and CUDA backends give Muon.
 
-Three models with the same weights and the same batch take a step each in turn, ``--repeats`` times
+Four models with the same weights and the same batch take a step each in turn, ``--repeats`` times
 (interleaved, after one step each that is not timed). Per form: the collectives of one step and the
 bytes they deliver to process 0 (counted below DTensor, on the functional collectives it issues),
 the median time of a step on process 0 (from a barrier to a barrier), and the largest difference
@@ -51,6 +51,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import socket
 import statistics
 import sys
@@ -150,7 +151,7 @@ def _worker(rank: int, world: int, port: int, args, out_file: str) -> None:
             model(x, x).loss.backward()
             optim.orthogonalised = implementations[form]
             dist.barrier()
-            if r == 0:  # not timed: the count, and a first step (state created) for both forms
+            if r == 0:  # not timed: the count, and a first step (state created) for every form
                 with Collectives() as c:
                     opt.step()
                 comms[form] = {"collectives": sum(c.counts.values()), "by_kind": dict(c.counts),
@@ -224,10 +225,38 @@ def _ddp_worker(rank: int, world: int, port: int, args, out_file: str) -> None:
     dist.destroy_process_group()
 
 
+# One instruction of an HLO dump: its result type (an array, a scalar ``f32[]`` or a tuple of
+# arrays, as an all-to-all's) and its op.
+_HLO_OP = re.compile(r"^\s*(?:ROOT )?%?[\w.-]+ = (\([^()]*\)|\w+\[[\d,]*\](?:\{[^}]*\})?) ([\w-]+)\(", re.M)
+_ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
+_COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "reduce-scatter", "collective-permute")
+_BYTES = {"f64": 8, "s64": 8, "u64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
+          "s8": 1, "u8": 1, "pred": 1}
+
+
+def _collectives(texts) -> dict:
+    """The collectives of HLO dumps ``texts`` after optimisation, by kind, and the bytes of their
+    results on one device (an asynchronous pair counted once, at its start, by its last result)."""
+    found: Counter = Counter()
+    nbytes = 0
+    for text in texts:
+        for rtype, op in _HLO_OP.findall(text):
+            kind = op[:-len("-start")] if op.endswith("-start") else op
+            if kind not in _COLLECTIVES:
+                continue
+            found[kind] += 1
+            arrays = _ARRAY.findall(rtype)
+            for dtype, dims in arrays[-1:] if op.endswith("-start") else arrays:
+                n = 1
+                for d in filter(None, dims.split(",")):
+                    n *= int(d)
+                nbytes += n * _BYTES.get(dtype, 4)
+    return {"collectives": sum(found.values()), "by_kind": dict(found), "result_bytes_per_device": nbytes}
+
+
 def _spmd(args) -> dict:
     """The spmd section, in this process (PJRT_DEVICE=CPU, CPU_NUM_DEVICES and XLA_FLAGS set by main)."""
     import glob
-    import re
 
     import torch_xla
     import torch_xla.core.xla_model as xm
@@ -253,9 +282,9 @@ def _spmd(args) -> dict:
     x = torch.randint(0, vocab, (args.batch * args.devices, args.seq),
                       generator=torch.Generator().manual_seed(0)).to(backend.device)
     dump = os.environ["XLA_FLAGS"].split("--xla_dump_to=")[1].split()[0]
-    shape = re.compile(r"= (\w+)\[([\d,]*)\]\{[^}]*\} (all-gather|all-reduce|all-to-all|reduce-scatter|collective-permute)(?:-start)?\(")
-    times, comms = {f: [] for f in forms}, {}
-    for r in range(args.repeats + 1):
+    times, comms, late = {f: [] for f in forms}, {}, {f: 0 for f in forms}
+    warmup = 2   # the second step compiles a graph of its own too (the first one's differs)
+    for r in range(warmup + args.repeats):
         for form, (model, opt) in forms.items():
             seen = set(glob.glob(f"{dump}/*after_optimizations.txt"))
             t0 = time.perf_counter()
@@ -264,25 +293,20 @@ def _spmd(args) -> dict:
             opt.step()
             torch_xla.sync()
             xm.wait_device_ops()
-            if r == 0:  # the step's graph compiled here: its dump is new
-                found: Counter = Counter()
-                nbytes = 0
-                for f in set(glob.glob(f"{dump}/*after_optimizations.txt")) - seen:
-                    for dtype, dims, kind in shape.findall(Path(f).read_text()):
-                        found[kind] += 1
-                        n = 1
-                        for d in filter(None, dims.split(",")):
-                            n *= int(d)
-                        nbytes += n * {"f32": 4, "bf16": 2, "s32": 4}.get(dtype, 4)
-                comms[form] = {"collectives": sum(found.values()), "by_kind": dict(found),
-                               "result_bytes_per_device": nbytes}
+            elapsed = time.perf_counter() - t0
+            new = set(glob.glob(f"{dump}/*after_optimizations.txt")) - seen
+            if r < warmup:
+                if new:   # the step's graph compiled here: the last one compiled is the step's
+                    comms[form] = _collectives(Path(f).read_text() for f in new)
             else:
-                times[form].append(time.perf_counter() - t0)
+                times[form].append(elapsed)
+                late[form] += bool(new)
     a, b = (forms[f][0] for f in forms)
     diff = max((p.cpu() - q.cpu()).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
     median = {f: statistics.median(times[f]) for f in forms}
     return {"d_model": args.d_model, "layers": args.layers, "devices": args.devices, "repeats": args.repeats,
-            "forms": {f: {**comms[f], "step_ms": 1e3 * median[f]} for f in forms},
+            "forms": {f: {**comms[f], "step_ms": 1e3 * median[f], "compiled_while_timed": late[f]}
+                      for f in forms},
             "per_product_over_by_matrix": median["per_product"] / median["by_matrix"],
             "max_weight_difference_after_all_steps": diff}
 
