@@ -52,9 +52,10 @@ for name, (kw, precisions) in configs.items():
     model.checkpoint_fn = xla_checkpoint.checkpoint   # what the XLA backend may use
     if name == "sinkhorn-loop":
         from training.xla_backend import SinkhornLoop
-        for m in model.modules():
-            if hasattr(m, "sinkhorn_iterate"):
-                m.sinkhorn_iterate = SinkhornLoop()
+        looped = [m for m in model.modules() if hasattr(m, "sinkhorn_iterate")]
+        assert len(looped) == 2 * cfg.n_layers   # every hyper-connection runs the loop
+        for m in looped:
+            m.sinkhorn_iterate = SinkhornLoop()
     r = {"tied": model.lm_head.weight is model.tok_emb.weight}
     for amp in precisions:
         met.clear_all()
