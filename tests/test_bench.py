@@ -523,3 +523,24 @@ def test_bench_optimizer_counts_every_collective_of_an_hlo_dump():
     assert _collectives([hlo]) == {
         "collectives": 5, "by_kind": {"all-to-all": 1, "all-reduce": 1, "all-gather": 2, "collective-permute": 1},
         "result_bytes_per_device": 6 * 8 * 4 + 4 + 8 * 16 * 4 + 8 * 16 * 2 + 3 * 4}
+
+
+def test_bench_optimizer_fsdp2_and_ddp_sections_run_as_written():
+    """`bench/optimizer.py --only fsdp2,ddp` at a tiny shape (2 gloo processes), as the README runs it
+    at full size (its fsdp2 section once broke unnoticed): every form takes the same first step
+    (gathered exactly, the others to rounding), with the collectives its docstring says: one
+    all-gather per matrix shape gathered, twice that by matrix (two all-to-alls, each an all-gather
+    on gloo), many more per product; the DDP replicas' shared Newton-Schulz is bit-identical."""
+    r = subprocess.run([sys.executable, "bench/optimizer.py", "--only", "fsdp2,ddp", "--d-model", "64",
+                        "--layers", "1", "--repeats", "1"], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    forms, diff = res["fsdp2"]["forms"], res["fsdp2"]["first_step_max_weight_difference_from_by_matrix"]
+    assert diff["gathered"] == 0.0 and diff["tensor_op_adamw"] < 1e-6 and diff["per_product"] < 1e-3
+    shapes = forms["gathered"]["by_kind"]["all_gather_into_tensor"]
+    assert forms["gathered"]["collectives"] == shapes > 0
+    assert forms["by_matrix"]["collectives"] == forms["tensor_op_adamw"]["collectives"] == 2 * shapes
+    assert forms["per_product"]["collectives"] > 4 * forms["by_matrix"]["collectives"]
+    assert all(f["step_ms"] > 0 for f in forms.values())
+    assert res["ddp"]["first_step_max_weight_difference"] == 0.0
