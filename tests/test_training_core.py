@@ -120,6 +120,23 @@ def test_config_unknown_section(tmp_path):
     ("training: {max_steps: 3, dist_timeout_s: 0}", "training.dist_timeout_s=0.0 must be a positive number of seconds"),
     ("training: {max_steps: 3}\nevaluation: {steps: 0}", "evaluation.steps=0 must be at least 1"),
     ("training: {max_steps: 3}\nevaluation: {interval: -1}", "evaluation.interval=-1 must be >= 0"),
+    # every other bound the schema checks (none of these had a case: removing a check passed)
+    ("training: {max_steps: 3, grad_clip: -1}", r"training.grad_clip=-1.0 must be >= 0$"),
+    ("training: {max_steps: 3, min_lr_ratio: 1.5}", r"training.min_lr_ratio=1.5 must be in \[0, 1\]$"),
+    ("training: {max_steps: 3, warmup_steps: -1}", r"training.warmup_steps=-1 must be >= 0$"),
+    ("training: {max_steps: 3, weight_decay: -0.1}", r"training.weight_decay=-0.1 must be >= 0$"),
+    ("training: {max_steps: 3, betas: [0.9, 1.0]}", r"training.betas=\[0.9, 1.0\] must be in \[0, 1\)$"),
+    ("training: {max_steps: 3, learning_rate: 0}", r"training.learning_rate=0.0 must be positive$"),
+    ("training: {max_steps: 3, max_nonfinite_steps: 0}", r"training.max_nonfinite_steps=0 must be at least 1$"),
+    ("training: {max_steps: 3, gradient_accumulation_steps: 0}",
+     r"training.gradient_accumulation_steps=0 must be at least 1$"),
+    ("training: {max_steps: 0}", r"training.max_steps=0 must be at least 1$"),
+    ("training: {max_steps: null, total_tokens: 0}", r"training.total_tokens=0 must be at least 1$"),
+    ("training: {max_steps: 3}\ncheckpoint: {keep: 0}", r"checkpoint.keep=0 must be at least 1$"),
+    ("training: {max_steps: 3}\ncheckpoint: {interval: -5}", r"checkpoint.interval=-5 must be >= 0$"),
+    ("training: {max_steps: 3}\nlogging: {interval: 0}", r"logging.interval=0 must be at least 1$"),
+    ("training: {max_steps: 3}\nlogging: {dir: ' '}", r"logging.dir is empty"),
+    ("training: {max_steps: 3}\nxla: {mesh: {tp: 0}}", r"xla.mesh axes must be at least 1$"),
 ])
 def test_config_bad_values_name_the_key(tmp_path, text, match):
     with pytest.raises(ConfigError, match=match) as e:
@@ -812,6 +829,29 @@ def test_param_groups_exclude_norms_embeddings_and_gates():
     assert len(decay["params"]) + len(no_decay["params"]) == n_all
     set_lr(opt, 0.5)
     assert decay["lr"] == pytest.approx(cfg.learning_rate * 0.5)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_the_configured_optimiser_settings_reach_every_group(optimizer):
+    """training.betas, eps, weight_decay, the learning rates and Muon's momentum, set to values
+    that are no default (the optimiser's or the config's), are the ones each group steps with;
+    Muon's AdamW group (embeddings, norms, gates) is not decayed."""
+    from model import ModelConfig, NashMHC
+    over = ["training.max_steps=1", f"training.optimizer={optimizer}", "training.betas=[0.8, 0.9]",
+            "training.eps=1e-7", "training.weight_decay=0.3", "training.learning_rate=0.004",
+            "training.muon_lr=0.03", "training.muon_momentum=0.7"]
+    cfg = load_config(None, over).training
+    opt = build_optimizer(NashMHC(ModelConfig(n_layers=1)), cfg)
+    matrices, others = opt.param_groups
+    assert len(matrices["params"]) > 0 and len(others["params"]) > 0
+    assert (matrices["weight_decay"], others["weight_decay"]) == (0.3, 0.0)
+    for g in opt.param_groups:
+        assert (tuple(g["betas"]), g["eps"]) == ((0.8, 0.9), 1e-7)
+    if optimizer == "muon":
+        assert matrices["use_muon"] and not others["use_muon"]
+        assert (matrices["lr"], others["lr"], matrices["momentum"]) == (0.03, 0.004, 0.7)
+    else:
+        assert matrices["lr"] == others["lr"] == 0.004
 
 
 # -- checkpoints -----------------------------------------------------------------------------
