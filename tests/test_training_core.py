@@ -854,6 +854,55 @@ def test_the_configured_optimiser_settings_reach_every_group(optimizer):
         assert matrices["lr"] == others["lr"] == 0.004
 
 
+
+def test_past_vocabulary_sees_every_token_of_a_batch():
+    """y is x shifted by one, so y and x's first column hold every token of a batch: an id past
+    the vocabulary anywhere, the very first token included, is seen (missed, it reached the
+    embedding as an index error instead of the one-line refusal)."""
+    from training.data import past_vocabulary
+    x = torch.arange(12).view(3, 4) % 10
+    y = torch.cat([x[:, 1:], torch.full((3, 1), 5)], dim=1)
+    assert not past_vocabulary((x, y), 10) and not past_vocabulary((x, y), None)
+    for where in ((0, 0), (2, 0)):                # only in x: a sequence's first token
+        bad = x.clone()
+        bad[where] = 10
+        assert past_vocabulary((bad, y), 10), where
+    bad = y.clone()
+    bad[1, 3] = 11
+    assert past_vocabulary((x, bad), 10)
+
+
+class _Ids(torch.utils.data.Dataset):
+    """Sample i is (tensor([i]), tensor([i]))."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return torch.tensor([i]), torch.tensor([i])
+
+
+@pytest.mark.parametrize("n, batch, steps, replicas, expected", [
+    (100, 3, 4, 2, 4),     # evaluation.steps batches
+    (100, 5, 50, 2, 10),   # no more than the split holds (100 // (5 x 2))
+    (7, 2, 3, 1, 3),
+])
+def test_eval_batches_are_the_first_global_batches_in_file_order(n, batch, steps, replicas, expected):
+    """evaluation.steps global batches (or all the split holds), the first ones in file order, each
+    replica its strided share: together exactly samples 0 .. expected x batch x replicas - 1."""
+    from training.data import eval_batches
+    ds, seen = _Ids(n), []
+    for rank in range(replicas):
+        got = [x.flatten().tolist() for x, _ in eval_batches(ds, batch, steps, replicas, rank)]
+        assert len(got) == expected and all(len(b) == batch for b in got)
+        ids = [i for b in got for i in b]
+        assert ids == sorted(ids) and all(i % replicas == rank for i in ids)
+        seen += ids
+    assert sorted(seen) == list(range(expected * batch * replicas))
+
 # -- checkpoints -----------------------------------------------------------------------------
 
 def _ckpt(step):
