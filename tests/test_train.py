@@ -422,6 +422,30 @@ def test_nonfinite_steps_are_skipped_then_the_run_stops(tmp_path, stdlib_data, m
         assert torch.equal(v, ref["model"][k]), k
 
 
+
+def test_gradients_are_clipped_to_grad_clip_before_the_update(tmp_path, stdlib_data, monkeypatch):
+    """training.grad_clip: the optimiser steps with gradients whose global norm is at most the bound,
+    while the logged grad_norm is the norm before clipping (here above it every step)."""
+    from training import loop
+    from training.backend import TorchBackend
+    from training.config import load_config
+
+    norms, step = [], torch.optim.AdamW.step
+
+    def recording_step(self, *args, **kwargs):
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        norms.append(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).item())
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", recording_step)
+    cfg = load_config(tiny_config(tmp_path, stdlib_data, **{"training.max_steps": 4, "training.grad_clip": 1e-3}),
+                      ["evaluation.interval=0", "checkpoint.interval=0"])
+    assert loop.train(cfg, TorchBackend("cpu")) == 0
+    logged = [m["grad_norm"] for m in metrics(tmp_path / "run")]
+    assert len(norms) == len(logged) == 4
+    assert all(n <= 1e-3 * (1 + 1e-4) for n in norms), norms
+    assert all(g > 1e-2 for g in logged), logged
+
 def test_resume_refuses_a_different_architecture(tmp_path, stdlib_data):
     cfg = tiny_config(tmp_path, stdlib_data, **{"training.max_steps": 2})
     assert run(["train.py", str(cfg)]).returncode == 0
