@@ -156,6 +156,12 @@ def test_exact_resume_after_sigterm(tmp_path, stdlib_data):
     assert sorted(cut) == list(range(1, 21))
     for step in range(1, 21):
         assert abs(ref[step] - cut[step]) <= 1e-6, (step, ref[step], cut[step])
+    # and the resumed run's end state is the uninterrupted one's: where the data stands, the tokens
+    # trained on, the weights (a position counted from step 0 instead of from the resume passed)
+    ref_ck, cut_ck = (torch.load(d / "run" / "ckpt_00000020.pt", weights_only=True) for d in (ref_dir, cut_dir))
+    assert cut_ck["data"] == ref_ck["data"] and cut_ck["tokens_seen"] == ref_ck["tokens_seen"] == 20 * 4 * 32
+    for k, v in ref_ck["model"].items():
+        torch.testing.assert_close(cut_ck["model"][k], v, rtol=1e-5, atol=1e-7, msg=k)
 
 
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
