@@ -452,6 +452,24 @@ def test_gradients_are_clipped_to_grad_clip_before_the_update(tmp_path, stdlib_d
     assert all(n <= 1e-3 * (1 + 1e-4) for n in norms), norms
     assert all(g > 1e-2 for g in logged), logged
 
+
+def test_the_last_step_evaluates_and_saves_where_the_data_stands(tmp_path, stdlib_data):
+    """15 steps, evaluation every 10, 2 micro-batches per step: evaluations at 10 and at the last
+    step (15, not a multiple), and the final checkpoint's data position past 15 x 2 batches of 4."""
+    from training import loop
+    from training.backend import TorchBackend
+    from training.config import load_config
+
+    cfg = load_config(tiny_config(tmp_path, stdlib_data, **{"training.max_steps": 15,
+                                                            "training.gradient_accumulation_steps": 2}),
+                      ["evaluation.interval=10", "checkpoint.interval=0"])
+    assert loop.train(cfg, TorchBackend("cpu")) == 0
+    rows = metrics(tmp_path / "run")
+    assert [m["step"] for m in rows if "eval_loss" in m] == [10, 15]
+    ck = torch.load(tmp_path / "run" / "ckpt_00000015.pt", weights_only=True)
+    assert (ck["data"]["epoch"], ck["data"]["offset"]) == (0, 15 * 2 * 4)
+    assert ck["tokens_seen"] == rows[-1]["tokens_seen"] == 15 * 2 * 4 * 32
+
 def test_resume_refuses_a_different_architecture(tmp_path, stdlib_data):
     cfg = tiny_config(tmp_path, stdlib_data, **{"training.max_steps": 2})
     assert run(["train.py", str(cfg)]).returncode == 0
