@@ -939,6 +939,10 @@ def test_a_save_between_log_steps_counts_the_steps_skipped_since_the_last_log(tm
     ckpt = torch.load(tmp_path / "run" / "ckpt_00000003.pt", weights_only=True)
     assert ckpt["nonfinite"] == {"total": 1}
     assert metrics(tmp_path / "run")[-1]["nonfinite_skipped"] == 1
+    # the count goes on in the resumed run (from step 4's checkpoint; nothing non-finite now)
+    r = run(["train.py", str(cfg), "training.max_steps=6"])
+    assert r.returncode == 0 and "resumed from" in r.stderr, r.stderr[-3000:]
+    assert [(m["step"], m["nonfinite_skipped"]) for m in metrics(tmp_path / "run")][-1] == (6, 1)
 
 
 def test_a_token_budget_resumed_with_another_batch_keeps_its_budget_and_its_schedule(tmp_path, stdlib_data):
