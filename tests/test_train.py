@@ -963,6 +963,11 @@ def test_a_token_budget_resumed_with_another_batch_keeps_its_budget_and_its_sche
     lrs = [m["lr"] for m in recs]
     assert all(a >= b for a, b in zip(lrs[2:], lrs[3:]))             # one cosine across the resume
     assert lrs[-1] == pytest.approx(0.1 * 3e-3)                      # down to min_lr at the end
+    # step for step: the first run's schedule, then the one of a run in steps of 64 tokens that
+    # has trained 1024 (16 of its steps) at the resume, 32 in all
+    from training.optim import lr_at
+    expected = [lr_at(s, 16, 3e-3, 2, 0.1) for s in range(8)] + [lr_at(s + 8, 32, 3e-3, 2, 0.1) for s in range(8, 24)]
+    assert lrs == pytest.approx(expected, rel=1e-6)
 
 
 RANK_0_DISK_FULL = """
