@@ -872,19 +872,6 @@ def test_past_vocabulary_sees_every_token_of_a_batch():
     assert past_vocabulary((x, bad), 10)
 
 
-class _Ids(torch.utils.data.Dataset):
-    """Sample i is (tensor([i]), tensor([i]))."""
-
-    def __init__(self, n):
-        self.n = n
-
-    def __len__(self):
-        return self.n
-
-    def __getitem__(self, i):
-        return torch.tensor([i]), torch.tensor([i])
-
-
 @pytest.mark.parametrize("n, batch, steps, replicas, expected", [
     (100, 3, 4, 2, 4),     # evaluation.steps batches
     (100, 5, 50, 2, 10),   # no more than the split holds (100 // (5 x 2))
@@ -894,7 +881,7 @@ def test_eval_batches_are_the_first_global_batches_in_file_order(n, batch, steps
     """evaluation.steps global batches (or all the split holds), the first ones in file order, each
     replica its strided share: together exactly samples 0 .. expected x batch x replicas - 1."""
     from training.data import eval_batches
-    ds, seen = _Ids(n), []
+    ds, seen = Range(n), []
     for rank in range(replicas):
         got = [x.flatten().tolist() for x, _ in eval_batches(ds, batch, steps, replicas, rank)]
         assert len(got) == expected and all(len(b) == batch for b in got)
