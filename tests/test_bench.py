@@ -465,6 +465,7 @@ def test_bench_gpu_attention_times_each_call_against_flex(tmp_path, monkeypatch)
         assert timed == (["model", "flex"] * 2 if "flex_ms" in r else ["model"] * 2)
 
 
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")   # wanted here
 def test_bench_gpu_flex_forms_see_what_the_model_sees():
     """bench/gpu.py's flex_attention forms compute the model's attention calls: the same outputs
     from eager flex_attention (PyTorch's reference path; the compiled one fails on the CPU, so the
