@@ -826,6 +826,30 @@ def test_forward_rejects_bad_shapes():
         m(torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 7, dtype=torch.long))
 
 
+def test_generate_samples_among_the_top_k_and_stops_when_every_row_has_stopped():
+    """top_k=5 at a high temperature: the samples are the 5 likeliest tokens, every one of them
+    (a threshold taken from the wrong rank made it greedy); rows that produce stop_id at different
+    steps: generation goes on until the last one has (an overwritten flag stopped at the last row)."""
+    m = build(tiny()).eval()
+    p = torch.randint(0, 64, (1, 10), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        top = set(torch.topk(m(p).logits[0, -1], 5).indices.tolist())
+    out = m.generate(p.repeat(400, 1), 1, temperature=100.0, top_k=5, generator=torch.Generator().manual_seed(0))
+    assert set(out[:, -1].tolist()) == top
+
+    class Scripted(torch.nn.Module):   # the LM head: row 0 says 7 at step 0, row 1 at step 1, then 5s
+        def __init__(self):
+            super().__init__()
+            self.step = 0
+
+        def forward(self, x):
+            ids = torch.tensor([[7, 5, 5, 5], [5, 7, 5, 5]])[:, min(self.step, 3)]
+            self.step += 1
+            return F.one_hot(ids, 64).float() * 10
+    m.lm_head = Scripted()
+    got = m.generate(torch.zeros(2, 3, dtype=torch.long), 6, temperature=0, stop_id=7)
+    assert got[:, 3:].tolist() == [[7, 5], [5, 7]]
+
 def test_generate_gives_valid_ids_and_crops_the_context():
     cfg = tiny()
     m = build(cfg)
