@@ -61,6 +61,27 @@ def test_a_save_that_failed_on_another_process_stops_this_one_too(tmp_path, monk
     ck.wait(quiet=True)  # on an error path: no agreement asked for, nothing raised
 
 
+@pytest.mark.parametrize("sharded", [False, True], ids=["file", "dcp"])
+def test_a_checkpoint_of_a_newer_format_is_refused(tmp_path, sharded):
+    """A checkpoint written by a newer format (a later version of this code) is refused in one line
+    by every reader, not loaded and misread."""
+    from training.checkpoint import FORMAT_VERSION, peek_checkpoint
+    model, opt, backend, ck = _setup(sharded, run_dir=tmp_path)
+    path = ck.save(_meta(2), model, opt, "test", wait=True)
+    if sharded:
+        marker = json.loads((path / MARKER).read_text())
+        marker["format_version"] = FORMAT_VERSION + 1
+        (path / MARKER).write_text(json.dumps(marker))
+    else:
+        ckpt = torch.load(path, weights_only=True)
+        ckpt["format_version"] = FORMAT_VERSION + 1
+        torch.save(ckpt, path)
+    for read in (peek_checkpoint, load_checkpoint):
+        with pytest.raises(CheckpointError) as e:
+            read(path)
+        assert str(e.value).startswith(str(path)) and "\n" not in str(e.value)
+        assert str(e.value).endswith(f": format_version {FORMAT_VERSION + 1} is newer than this code's {FORMAT_VERSION}")
+
 @pytest.mark.parametrize("sharded, async_save", [(False, False), (True, False), (True, True)])
 def test_both_forms_save_and_load_the_same_dict(tmp_path, sharded, async_save):
     model, opt, backend, ck = _setup(sharded, async_save, tmp_path)
