@@ -278,6 +278,25 @@ def test_uint32_when_the_vocabulary_does_not_fit_uint16(tmp_path):
     assert all_documents(out) == Counter(["hello", "world"])
 
 
+
+def test_a_tokenizer_with_unused_ids_gets_the_vocabulary_past_its_highest_id(tmp_path):
+    """Ids 0-255 and <|endoftext|> at 300 (256-299 unused): the model's vocabulary must cover id
+    300, i.e. 301 rows (one short, the data failed its own --verify and training its embedding)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab["<|endoftext|>"] = 300
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    src = write_docs(tmp_path / "src", {f"{i}.txt": f"doc {i} " * 5 for i in range(6)})
+    out = tmp_path / "out"
+    assert run("--input", src, "--tokenizer", tmp_path / "tokenizer.json", "--out", out) == 0
+    meta = meta_of(out)
+    assert (meta["vocab_size"], meta["eos_id"]) == (301, 300)
+    assert run("--verify", out) == 0
+
 # --- Done when 4: determinism -----------------------------------------------------------------------
 
 
