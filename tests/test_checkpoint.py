@@ -50,6 +50,36 @@ def _meta(step: int) -> dict:
             "rng": rng_state(), "nonfinite": {"total": 0}, "config": cfg.to_dict(), "trainer": "torch"}
 
 
+def test_an_asynchronous_save_waits_for_the_one_before(tmp_path):
+    """checkpoint.async keeps at most one save pending: the next save waits for it, so two writes
+    never overlap and the earlier checkpoint is committed before the later one's rotation runs
+    (which would take a half-written one for unfinished). The first write is slowed down so that
+    an overlap, if the wait were missing, would be seen; with the wait the outcome does not depend
+    on timing."""
+    import threading
+    run_dir = tmp_path / "run"
+    model, opt, backend, ck = _setup(False, True, run_dir, keep=5)
+    write, lock, busy, most = ck._write_file, threading.Lock(), [0], [0]
+
+    def slow_write(path, obj):
+        with lock:
+            busy[0] += 1
+            most[0] = max(most[0], busy[0])
+        try:
+            time.sleep(0.3)
+            return write(path, obj)
+        finally:
+            with lock:
+                busy[0] -= 1
+
+    ck._write_file = slow_write
+    ck.save(_meta(2), model, opt, "test")
+    ck.save(_meta(4), model, opt, "test")
+    assert checkpoint_path(run_dir, 2).exists()   # committed before the second save returned
+    ck.wait()
+    assert most[0] == 1 and [s for s, _ in list_checkpoints(run_dir)] == [2, 4]
+
+
 def test_a_save_that_failed_on_another_process_stops_this_one_too(tmp_path, monkeypatch):
     model, opt, backend, ck = _setup(False, True, tmp_path / "run")
     ck.save(_meta(2), model, opt, "test")
