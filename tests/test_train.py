@@ -470,6 +470,29 @@ def test_the_last_step_evaluates_and_saves_where_the_data_stands(tmp_path, stdli
     assert (ck["data"]["epoch"], ck["data"]["offset"]) == (0, 15 * 2 * 4)
     assert ck["tokens_seen"] == rows[-1]["tokens_seen"] == 15 * 2 * 4 * 32
 
+
+def test_sample_never_picks_an_id_past_the_tokenizers_vocabulary(tmp_path, stdlib_data):
+    """A model vocabulary rounded up past the tokenizer's (640 rows, 512 tokens): sample.py samples
+    among the tokenizer's ids only, even where the rows past it are as likely (temperature 1e30:
+    every allowed id alike); the extra rows map to no text."""
+    cfg = tiny_config(tmp_path, stdlib_data, **{"training.max_steps": 2, "checkpoint.interval": 0,
+                                                "evaluation.interval": 0})
+    r = run(["train.py", str(cfg), "model.vocab_size=640"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    spy = ("import model\n"
+           "generate = model.NashMHC.generate\n"
+           "def spied(self, *args, **kwargs):\n"
+           "    out = generate(self, *args, **kwargs)\n"
+           "    print('GENERATED', int(out.max()), kwargs.get('vocab_limit'), flush=True)\n"
+           "    return out\n"
+           "model.NashMHC.generate = spied\n")
+    r = run_patched(tmp_path, spy, ["sample.py", str(tmp_path / "run"), "--temperature", "1e30",
+                                    "--num-samples", "4", "--max-new-tokens", "32", "--ignore-eos"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    (line,) = [s for s in r.stdout.splitlines() if s.startswith("GENERATED")]
+    highest, limit = map(int, line.split()[1:])
+    assert limit == 512 and highest < 512
+
 def test_resume_refuses_a_different_architecture(tmp_path, stdlib_data):
     cfg = tiny_config(tmp_path, stdlib_data, **{"training.max_steps": 2})
     assert run(["train.py", str(cfg)]).returncode == 0
