@@ -85,6 +85,18 @@ def test_the_shipped_baseline_configs_are_plain_llamas(name):
     assert llama_incompatibility(load_config(ROOT / "configs" / name).model) is None
 
 
+
+def test_a_window_that_covers_every_sequence_is_plain_llama():
+    """Scale 0's window of max_seq_len keys sees every earlier token of any sequence the model
+    takes: full causal attention, exported as plain Llama; one key less is a sliding window."""
+    from model import ModelConfig
+    from training.hf import llama_incompatibility
+    base = dict(vocab_size=64, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, max_seq_len=64,
+                mhc_streams=1, nash_scales=1)
+    assert llama_incompatibility(ModelConfig(**base, nash_window=64)) is None
+    assert llama_incompatibility(ModelConfig(**base, nash_window=0)) is None
+    assert llama_incompatibility(ModelConfig(**base, nash_window=63)) == "nash_window=63"
+
 def test_baseline_exports_as_plain_llama(tmp_path, stdlib_data, capsys):
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaForCausalLM
     from tokenizers import Tokenizer
