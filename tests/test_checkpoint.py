@@ -110,7 +110,8 @@ def test_a_checkpoint_of_a_newer_format_is_refused(tmp_path, sharded):
         with pytest.raises(CheckpointError) as e:
             read(path)
         assert str(e.value).startswith(str(path)) and "\n" not in str(e.value)
-        assert str(e.value).endswith(f": format_version {FORMAT_VERSION + 1} is newer than this code's {FORMAT_VERSION}")
+        newer = f": format_version {FORMAT_VERSION + 1} is newer than this code's {FORMAT_VERSION}"
+        assert str(e.value).endswith(newer)
 
 @pytest.mark.parametrize("sharded, async_save", [(False, False), (True, False), (True, True)])
 def test_both_forms_save_and_load_the_same_dict(tmp_path, sharded, async_save):
