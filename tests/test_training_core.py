@@ -854,7 +854,6 @@ def test_the_configured_optimiser_settings_reach_every_group(optimizer):
         assert matrices["lr"] == others["lr"] == 0.004
 
 
-
 def test_past_vocabulary_sees_every_token_of_a_batch():
     """y is x shifted by one, so y and x's first column hold every token of a batch: an id past
     the vocabulary anywhere, the very first token included, is seen (missed, it reached the
@@ -889,6 +888,7 @@ def test_eval_batches_are_the_first_global_batches_in_file_order(n, batch, steps
         assert ids == sorted(ids) and all(i % replicas == rank for i in ids)
         seen += ids
     assert sorted(seen) == list(range(expected * batch * replicas))
+
 
 # -- checkpoints -----------------------------------------------------------------------------
 
