@@ -85,7 +85,6 @@ def test_the_shipped_baseline_configs_are_plain_llamas(name):
     assert llama_incompatibility(load_config(ROOT / "configs" / name).model) is None
 
 
-
 def test_a_window_that_covers_every_sequence_is_plain_llama():
     """Scale 0's window of max_seq_len keys sees every earlier token of any sequence the model
     takes: full causal attention, exported as plain Llama; one key less is a sliding window."""

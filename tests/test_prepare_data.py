@@ -278,7 +278,6 @@ def test_uint32_when_the_vocabulary_does_not_fit_uint16(tmp_path):
     assert all_documents(out) == Counter(["hello", "world"])
 
 
-
 def test_a_tokenizer_with_unused_ids_gets_the_vocabulary_past_its_highest_id(tmp_path):
     """Ids 0-255 and <|endoftext|> at 300 (256-299 unused): the model's vocabulary must cover id
     300, i.e. 301 rows (one short, the data failed its own --verify and training its embedding)."""

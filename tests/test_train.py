@@ -428,7 +428,6 @@ def test_nonfinite_steps_are_skipped_then_the_run_stops(tmp_path, stdlib_data, m
         assert torch.equal(v, ref["model"][k]), k
 
 
-
 def test_gradients_are_clipped_to_grad_clip_before_the_update(tmp_path, stdlib_data, monkeypatch):
     """training.grad_clip: the optimiser steps with gradients whose global norm is at most the bound,
     while the logged grad_norm is the norm before clipping (here above it every step)."""
