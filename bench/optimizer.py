@@ -283,7 +283,10 @@ def _spmd(args) -> dict:
                       generator=torch.Generator().manual_seed(0)).to(backend.device)
     dump = os.environ["XLA_FLAGS"].split("--xla_dump_to=")[1].split()[0]
     times, comms, late = {f: [] for f in forms}, {}, {f: 0 for f in forms}
-    warmup = 2   # the second step compiles a graph of its own too (the first one's differs)
+    # the second step compiles a graph of its own too: the first one also creates the optimiser
+    # state (no sync after init_state, which the Trainer has), and the parameters and state it
+    # updates without a sharding annotation come back annotated as replicated: other inputs
+    warmup = 2
     for r in range(warmup + args.repeats):
         for form, (model, opt) in forms.items():
             seen = set(glob.glob(f"{dump}/*after_optimizations.txt"))
