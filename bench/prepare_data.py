@@ -15,7 +15,7 @@ serves both sides.
 
 tokens/s counts document tokens (end-of-text ids excluded) on both sides. Runs are interleaved
 (raw, fast, pipeline, raw, ...) so that load from other processes hits all three alike; the table
-shows medians. Results also go to bench/results/prepare_data.json.
+shows medians. Results also go to bench/results/prepare_data.json (`--json PATH` elsewhere).
 """
 from __future__ import annotations
 
@@ -114,14 +114,23 @@ def main() -> None:
     ap.add_argument("--vocab-size", type=int, default=32768, help="of the tokenizer trained here")
     ap.add_argument("--tokenizer", help="use this tokenizer.json / directory instead of training one")
     ap.add_argument("--workdir", help="where to put the corpus copy (default: a temporary directory)")
+    ap.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "prepare_data.json",
+                    metavar="PATH", help="write the results there (default: bench/results/prepare_data.json)")
     args = ap.parse_args()
+
+    def refuse(message: str) -> None:   # one line, no usage text: exit status 2 as argparse's
+        print(f"bench/prepare_data.py: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
     for flag, value in (("--passes", args.passes), ("--repeats", args.repeats), ("--vocab-size", args.vocab_size)):
         if value is not None and value < 1:
-            ap.error(f"{flag} must be at least 1, got {value}")
+            refuse(f"{flag} must be at least 1, got {value}")
     if args.workdir and not Path(args.workdir).is_dir():
-        ap.error(f"--workdir {args.workdir}: no such directory")
+        refuse(f"--workdir {args.workdir}: no such directory")
+    if not args.json.parent.is_dir() and args.json.parent != ROOT / "bench" / "results":
+        refuse(f"--json {args.json}: no directory {args.json.parent}")
     if args.tokenizer and not (Path(args.tokenizer).is_file() or (Path(args.tokenizer) / "tokenizer.json").is_file()):
-        ap.error(f"--tokenizer {args.tokenizer}: no tokenizer.json there")
+        refuse(f"--tokenizer {args.tokenizer}: no tokenizer.json there")
 
     from tokenizers import Tokenizer
     import tokenizers
@@ -179,15 +188,14 @@ def main() -> None:
     print(f"pipeline / raw encode_batch: {ratio:.2f} (target >= 0.5); "
           f"pipeline / raw encode_batch_fast: {ratio_fast:.2f}")
 
-    results = ROOT / "bench" / "results"
-    results.mkdir(parents=True, exist_ok=True)
+    args.json.parent.mkdir(parents=True, exist_ok=True)   # bench/results/ on a fresh checkout
     record = {"corpus_bytes": nbytes, "documents": len(docs), "tokens": tokens, "passes": passes,
               "tokenizer": tok_note, "cpus": os.cpu_count(), "runs_s": runs, "median_s": medians,
               "ratio_pipeline_to_raw_encode_batch": ratio,
               "ratio_pipeline_to_raw_encode_batch_fast": ratio_fast}
-    tmp_file = results / "prepare_data.json.tmp"
+    tmp_file = args.json.with_name(args.json.name + ".tmp")
     tmp_file.write_text(json.dumps(record, indent=2) + "\n")
-    os.replace(tmp_file, results / "prepare_data.json")
+    os.replace(tmp_file, args.json)
 
 
 if __name__ == "__main__":

@@ -356,6 +356,21 @@ def test_variants_take_model_settings_and_bad_ones_name_the_option():
             bench_model.make_config(args, bad)
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--repeats", "0"], "--repeats must be at least 1, got 0"),
+    (["--workdir", "/nonexistent"], "--workdir /nonexistent: no such directory"),
+    (["--tokenizer", "/nonexistent"], "--tokenizer /nonexistent: no tokenizer.json there"),
+    (["--json", "/nonexistent/out.json"], "--json /nonexistent/out.json: no directory /nonexistent"),
+])
+def test_bench_prepare_data_bad_arguments_are_one_line_errors(tmp_path, args, message):
+    """Refused before any corpus is copied or tokenizer trained, and nothing written."""
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "prepare_data.py"), "--json", str(tmp_path / "r.json"),
+                        "--workdir", str(tmp_path), *args], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and r.stderr.strip() == f"bench/prepare_data.py: error: {message}", r.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
 # ----------------------------------------------------------------------------------------------
 # bench/gpu.py: what can be checked without a GPU
 
