@@ -58,6 +58,31 @@ def script_report(script: str, *args, env: dict, timeout: float = 300) -> dict:
     return json.loads(lines[-1][len("REPORT "):])
 
 
+def shaken(model, seed: int = 0):
+    """``model`` (returned) moved away from its initialisation's symmetries, in place: every
+    parameter of at most one dimension (norm gains around 1, the hyper-connections' gates and
+    biases, the heads' log temperatures, the pooling logits) drawn at random, and the value
+    projections x10. At init H_res is the identity up to exp(-8) (H_res and its transpose give the
+    same numbers), every head's temperature is 1 and the scales' outputs are nearly equal (the
+    game's weights stay near uniform): a form that transposed H_res, gave every head one
+    temperature or scaled the Gram matrix wrongly would compute init's numbers all the same."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g).to(p.dtype)
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.3 * noise)
+            elif name.endswith("log_tau"):
+                p.copy_(0.5 * noise)
+            elif p.ndim <= 1:
+                p.copy_(noise)
+            elif name.endswith("wv.weight"):
+                p.mul_(10.0)
+    return model
+
+
 def wait_for_file(path: Path, proc, timeout=300) -> None:
     """Block until ``path`` exists; an AssertionError if ``proc`` ends first."""
     t0 = time.time()

@@ -15,6 +15,8 @@ import model as M
 from model import (ModelConfig, NashMHC, nash_distances, nash_equilibrium, nash_rounds_by_scale, nash_start,
                    scale_gram, scale_gram_pairs, sinkhorn_knopp)
 
+from helpers import shaken
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -1002,16 +1004,21 @@ def test_cli_process_exits_non_zero_without_traceback(tmp_path):
 @pytest.mark.parametrize("stream_dtype", ["fp32", "bf16"])
 def test_plain_and_hand_written_stream_ops_agree(monkeypatch, stream_dtype):
     """The plain tensor-op form (what torch.compile and XLA trace) and the autograd.Functions
-    (eager) of the stream ops and the normalised projection: same loss and gradients."""
+    (eager) of the stream ops and the normalised projection: same loss and gradients, away from
+    init (``shaken``: there H_res is nearly the identity, and its transpose gave the same numbers)."""
     cfg = tiny(stream_dtype=stream_dtype)
     g = torch.Generator().manual_seed(0)
     idx, tgt = torch.randint(0, 64, (2, 40), generator=g), torch.randint(0, 64, (2, 40), generator=g)
-    eager, plain = build(cfg), build(cfg)
+    eager, plain = shaken(build(cfg)), shaken(build(cfg))
     eager(idx, tgt).loss.backward()
     monkeypatch.setattr(M, "_fusing", lambda x: True)
     plain(idx, tgt).loss.backward()
     for (name, p), q in zip(eager.named_parameters(), plain.parameters()):
-        assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-7), name
+        if stream_dtype == "fp32":
+            assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-7), name
+        else:   # the forms sum in another order, and a last-bit difference of an fp32 sum can round
+            # the stored bf16 value one step (2^-8) the other way: to 1% of the largest entry
+            assert torch.allclose(p.grad, q.grad, rtol=1e-2, atol=1e-7 + 1e-2 * p.grad.abs().max()), name
 
 
 def test_bf16_streams_store_bf16_and_compute_in_fp32():
@@ -1068,7 +1075,7 @@ def test_torch_compile_of_the_blocks_and_loss_matches_eager(over):
     torch._dynamo.reset()
     counters.clear()
     cfg = tiny(n_layers=2, sinkhorn_iters=4, **over)   # every code path once; compile time is per op traced
-    eager, compiled = build(cfg), build(cfg)
+    eager, compiled = shaken(build(cfg)), shaken(build(cfg))   # away from init's near-symmetric H_res
     names = list(compiled.state_dict())
     idx, tgt = torch.randint(0, 64, (2, 40)), torch.randint(0, 64, (2, 40))
     ref = eager(idx, tgt)

@@ -17,6 +17,7 @@ import torch_xla
 import torch_xla.debug.metrics as met
 import torch_xla.utils.checkpoint as xla_checkpoint
 from model import ModelConfig, NashMHC
+from tests.helpers import shaken
 
 def fallbacks():
     return sorted(c for c in met.counter_names() if c.startswith("aten::"))
@@ -42,7 +43,7 @@ for name, (kw, precisions) in configs.items():
     cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, max_seq_len=64,
                       sinkhorn_iters=3, **kw)
     torch.manual_seed(0)
-    model = NashMHC(cfg)
+    model = shaken(NashMHC(cfg))   # away from init, where H_res is nearly the identity and tau 1
     idx, tgt = torch.randint(0, 64, (2, 45)), torch.randint(0, 64, (2, 45))
     cpu = model(idx, tgt)
     cpu.loss.backward()
@@ -68,11 +69,32 @@ for name, (kw, precisions) in configs.items():
                   "logits_dtype": str(out.logits.dtype),
                   "finite_grads": all(bool(torch.isfinite(p.grad).all()) for p in model.parameters()),
                   "metrics_finite": all(bool(torch.isfinite(v)) for v in out.metrics.values())}
-        if not amp:
+        if not amp:   # each parameter's, relative to its largest gradient entry (at least 1e-3)
             r[key]["max_grad_diff"] = max((p.grad.cpu() - cpu_grads[n]).abs().max().item()
+                                          / max(cpu_grads[n].abs().max().item(), 1e-3)
                                           for n, p in model.named_parameters())
         model.zero_grad(set_to_none=True)
     report[name] = r
+
+# The XLA backend's Sinkhorn loop alone, against autograd of the plain iterations (float64, CPU),
+# on a random positive matrix and a random upstream gradient: in a model its gradient reaches
+# H_res only through small numbers
+from training.xla_backend import SinkhornLoop
+g = torch.Generator().manual_seed(0)
+p0, up = torch.rand(4, 4, 50, generator=g, dtype=torch.float64) + 0.1, torch.randn(4, 4, 50, generator=g, dtype=torch.float64)
+ref = p0.clone().requires_grad_(True)
+q = ref
+for _ in range(5):
+    q = q / (q.sum(dim=1, keepdim=True) + 1e-6)   # rows (dim 1), then columns, as model.sinkhorn_knopp
+    q = q / (q.sum(dim=0, keepdim=True) + 1e-6)
+(q * up).sum().backward()
+px = p0.float().to(dev).requires_grad_(True)
+qx = SinkhornLoop()(px, 5, 1e-6)
+(qx * up.float().to(dev)).sum().backward()
+torch_xla.sync()
+report["sinkhorn_loop_alone"] = {
+    "forward": ((qx.cpu().double() - q.detach()).abs().max() / q.detach().abs().max()).item(),
+    "backward": ((px.grad.cpu().double() - ref.grad).abs().max() / ref.grad.abs().max()).item()}
 print("REPORT " + json.dumps(report))
 """
 
@@ -93,7 +115,12 @@ def test_forward_backward_without_fallbacks_matches_cpu(report, name):
     fp32 = r["fp32"]
     assert fp32["fallbacks"] == []
     assert abs(fp32["loss"] - fp32["cpu_loss"]) < 1e-5
-    assert fp32["max_grad_diff"] < 1e-5 and fp32["finite_grads"] and fp32["metrics_finite"]
+    assert fp32["max_grad_diff"] < 1e-4 and fp32["finite_grads"] and fp32["metrics_finite"]
+
+
+def test_the_xla_sinkhorn_loop_is_the_plain_iterations_and_their_gradient(report):
+    r = report["sinkhorn_loop_alone"]
+    assert r["forward"] < 1e-6 and r["backward"] < 1e-5, r
 
 
 def test_bf16_autocast_without_fallbacks(report):
