@@ -85,6 +85,22 @@ def test_the_shipped_baseline_configs_are_plain_llamas(name):
     assert llama_incompatibility(load_config(ROOT / "configs" / name).model) is None
 
 
+@pytest.mark.parametrize("hf_name, field, value", [
+    ("hidden_size", "d_model", 64), ("num_hidden_layers", "n_layers", 3), ("num_attention_heads", "n_heads", 2),
+    ("num_key_value_heads", "n_kv_heads", 1), ("max_position_embeddings", "max_seq_len", 128),
+    ("rms_norm_eps", "norm_eps", 1e-6), ("tie_word_embeddings", "tie_embeddings", False),
+])
+def test_the_remote_code_config_takes_llama_names(hf_name, field, value):
+    """NashMHCConfig answers to transformers' usual names (LlamaConfig's: what generation code,
+    lm-eval and vLLM read) for model.py's fields, set and read."""
+    from transformers import LlamaConfig
+
+    from modeling_nash_mhc import NashMHCConfig
+    assert hasattr(LlamaConfig(), hf_name)
+    cfg = NashMHCConfig(**{hf_name: value})
+    assert getattr(cfg.model_config(), field) == value == getattr(cfg, hf_name)
+    assert getattr(NashMHCConfig.from_dict(cfg.to_dict()), hf_name) == value
+
 def test_a_window_that_covers_every_sequence_is_plain_llama():
     """Scale 0's window of max_seq_len keys sees every earlier token of any sequence the model
     takes: full causal attention, exported as plain Llama; one key less is a sliding window."""

@@ -60,6 +60,9 @@ def test_defaults_are_the_demo_model():
     (dict(n_layers=2.5), "n_layers must be an integer"),
     (dict(tie_embeddings=1), "tie_embeddings must be true or false"),
     (dict(rope_theta=float("inf")), "rope_theta must be a finite number"),
+    (dict(rope_theta=True), "rope_theta must be a finite number"),   # YAML's true is no number
+    (dict(nash_iters=0), "nash_iters=0 must be at least 1"),
+    (dict(sinkhorn_iters=0), "sinkhorn_iters=0 must be at least 1"),
 ])
 def test_config_rejects_with_the_field_name_first(kw, start):
     with pytest.raises(ValueError) as e:
@@ -179,6 +182,21 @@ def test_the_residual_streams_stay_fp32_under_autocast():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         h, _ = m.blocks[0](torch.randn(2, 16, 4, 32), m.rope_cos[:16], m.rope_sin[:16])
     assert h.dtype == torch.float32
+
+
+@pytest.mark.parametrize("fusing", [False, True], ids=["eager", "plain"])
+def test_the_stream_write_ignores_autocast(monkeypatch, fusing):
+    """H_res h + H_post^T y is the same fp32 sum under bf16 autocast as without it, bit for bit:
+    a bf16 product there would round the residual at every sub-layer."""
+    monkeypatch.setattr(M, "_fusing", lambda x: fusing)
+    hc = shaken(build(tiny())).blocks[1].hc_ffn
+    g = torch.Generator().manual_seed(0)
+    h, y = torch.randn(2, 8, 4, 32, generator=g), torch.randn(2, 8, 32, generator=g)
+    _, coef = hc.read(h)
+    plain = hc.write(h, y, coef)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        under = hc.write(h, y, coef)
+    assert under.dtype == torch.float32 and torch.equal(under, plain)
 
 
 @pytest.mark.parametrize("lite", [True, False], ids=["lite", "sinkhorn"])
@@ -780,13 +798,32 @@ def dataclass_replace(cfg, **kw):
     return ModelConfig(**{**cfg.to_dict(), **kw})
 
 
-def test_dropout_only_in_training():
-    m = build(tiny(dropout=0.5))
+@pytest.mark.parametrize("streams", [1, 4])
+def test_dropout_only_in_training_on_both_sub_layers(streams):
+    m = build(tiny(dropout=0.5, mhc_streams=streams))
     idx = torch.randint(0, 64, (2, 20))
+    calls = []
+    for block in m.blocks:
+        block.drop.register_forward_hook(lambda mod, args, out: calls.append(mod.training))
     with torch.no_grad():
         assert not torch.equal(m(idx).logits, m(idx).logits)
+        assert calls == [True] * 2 * 2 * m.config.n_layers   # the attention's and the FFN's output
         m.eval()
         assert torch.equal(m(idx).logits, m(idx).logits)
+    m.train()   # generate evaluates whatever mode the model is in, and leaves it as it was
+    g = lambda: m.generate(idx[:, :4], 6, temperature=0)
+    assert torch.equal(g(), g()) and m.training
+
+
+def test_output_projections_start_smaller_by_sqrt_2_layers():
+    """GPT-2's initialisation: the projections that write into the residual (attention's wo, the
+    FFN's w2) start at init_std / sqrt(2 n_layers), every other matrix at init_std."""
+    cfg = tiny(d_model=128, n_layers=8, n_heads=4)
+    m = build(cfg)
+    for name, p in m.named_parameters():
+        if p.ndim == 2 and "phi" not in name:
+            want = cfg.init_std / math.sqrt(2 * cfg.n_layers) if name.endswith(("wo.weight", "w2.weight")) else cfg.init_std
+            assert abs(p.std().item() / want - 1) < 0.05, (name, p.std().item(), want)
 
 
 def test_metrics_are_detached_scalars():
@@ -954,6 +991,13 @@ def test_flops_per_token():
     mean = build(tiny(mhc_streams=1, nash_scales=3, nash_window=0, aggregation="mean"))
     assert mean.flops_per_token(T) == expected + cfg.n_layers * (12 * C * (T // 2 + T // 4) + 6 * L * C)
     assert build(tiny()).flops_per_token(T) > build(tiny(mhc_streams=1)).flops_per_token(T)
+    # mHC: 6 per weight of the projections phi, then per sub-layer the mixing of n streams of C
+    # channels by H_res (n^2 C products), H_pre and H_post (n C each), forward x 3, and the collapse
+    for n in (2, 4):
+        mhc = build(tiny(mhc_streams=n))
+        phi = sum(mod.phi.weight.numel() for mod in mhc.modules() if hasattr(mod, "phi"))
+        mixing = 2 * mhc.config.n_layers * 3 * 2 * (n * n + 2 * n) * C
+        assert mhc.flops_breakdown(T)["mhc"] == 6 * phi + mixing + 6 * n * C
 
 
 # -- the CLI ------------------------------------------------------------------------------------
