@@ -284,6 +284,8 @@ def test_train_py_fsdp_divides_weights_gradients_and_state_over_the_processes():
     held = weights - sum(blocks) + 2 * max(blocks)
     assert whole.parts["all-gathered weights"] == 0
     assert split.parts["all-gathered weights"] == pytest.approx(held * (1 - 1 / 4))
+    for peak in (whole, split):   # the plan's total (what "fits" decides on) is the sum of its lines
+        assert peak.total == pytest.approx(sum(peak.parts.values()), rel=1e-12)
 
 
 def test_train_py_fsdp_holds_autocasts_weight_copies_whole():

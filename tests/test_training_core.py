@@ -744,6 +744,30 @@ def test_stop_decisions_come_about_once_a_second(seconds, interval):
     assert decision_interval(seconds, 10) == interval
 
 
+
+def test_processes_agree_on_the_step_of_the_next_stop_decision():
+    """should_stop's one all-reduce also agrees on when to decide next: the slowest process's
+    interval. This process steps fast (~10 ms a step: every 10 steps, its log interval) and
+    another slowly (every 3): both decide again 3 steps on, or the next collective would be a
+    decision on one process and a training step on the other."""
+    import time
+    from types import SimpleNamespace
+
+    from training.loop import RunState, Trainer
+
+    class TwoProcesses:   # max_across: the element-wise max of this process's values and the other's
+        def max_across(self, *values):
+            other = (False, False, -3, False, False)   # nothing to stop for; decide in 3 steps
+            assert len(values) == len(other)
+            return tuple(max(a, b) for a, b in zip(values, other))
+
+    trainer = SimpleNamespace(
+        state=RunState(step=20), last_decision=(time.time() - 0.1, 10), backend=TwoProcesses(),
+        cfg=SimpleNamespace(logging=SimpleNamespace(interval=10)), stop_nonfinite=False, data_error=None,
+        checkpointer=SimpleNamespace(failed=lambda: False))
+    assert Trainer.should_stop(trainer) is None
+    assert trainer.next_decision == 23 and trainer.last_decision[1] == 20
+
 def test_muon_adamw_groups_match_torch_adamw():
     """Muon's AdamW groups, fused (the CPU/CUDA backends' choice) or in tensor ops, against
     torch.optim.AdamW on the same parameters; its Muon group is left out of the comparison."""

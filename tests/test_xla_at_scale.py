@@ -409,3 +409,5 @@ def test_spmd_scan_matches_the_unrolled_blocks(tmp_path, stdlib_data):
     assert [a["step"] for a in spmd] == [b["step"] for b in one] and one   # zip would stop at the shorter
     for a, b in zip(spmd, one):
         assert abs(a["loss"] - b["loss"]) <= 1e-4 * abs(b["loss"]), a["step"]
+        for k in ("nash_entropy", "nash_w0", "nash_tau", "mhc_res_diag", "mhc_gate"):   # the layers' means
+            assert a[k] == pytest.approx(b[k], rel=1e-4), (a["step"], k)
