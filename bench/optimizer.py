@@ -1,8 +1,9 @@
 """Muon's optimiser step over sharded matrices: collectives, bytes and time per step, under
-train.py's FSDP2 and under train_xla.py's SPMD.
+train.py's FSDP2 and under train_xla.py's SPMD; and the layout of SPMD's ZeRO-2 optimiser state.
 
-    .venv/bin/python bench/optimizer.py                          # d_model 512, 8 layers, 7 repeats, both
+    .venv/bin/python bench/optimizer.py                          # d_model 512, 8 layers, 7 repeats, all
     .venv/bin/python bench/optimizer.py --only spmd --d-model 256 --layers 4 --repeats 5
+    .venv/bin/python bench/optimizer.py --only zero --d-model 256 --layers 4 --repeats 5
 
 fsdp2:
 
@@ -44,7 +45,16 @@ ddp: train.py's DDP replicas (``--procs`` processes, gloo), Muon's Newton-Schulz
 (each a share of every shape's matrices, one all-gather: what ``TorchBackend.prepare_optimizer``
 sets) against every replica doing all of it; the median optimiser step, interleaved.
 
-Prints one JSON object: ``{"fsdp2": ..., "ddp": ..., "spmd": ...}``.
+zero: train_xla.py's backend with ``xla.shard_optimizer_over_data`` (ZeRO-2) on a data 2 x fsdp
+``--devices / 2`` mesh of PJRT CPU devices (in a process of its own), AdamW, the Trainer's two
+graphs per step (forward and backward; the update). ``fsdp_major``: the state's and gradients'
+sharded dimension split over ``("fsdp", "data")`` (training/sharding.py), each device's piece
+within its own shard of the parameter; ``data_major``: split over ``("data", "fsdp")``, as before.
+Two models with the same weights, steps interleaved (two untimed). Per form and graph: the
+collectives and their result bytes on one device; the median step time; the largest weight
+difference between the forms after all steps.
+
+Prints one JSON object: ``{"fsdp2": ..., "ddp": ..., "spmd": ..., "zero": ...}``.
 """
 from __future__ import annotations
 
@@ -314,6 +324,71 @@ def _spmd(args) -> dict:
             "max_weight_difference_after_all_steps": diff}
 
 
+def _zero(args) -> dict:
+    """The zero section, in this process (PJRT_DEVICE=CPU, CPU_NUM_DEVICES and XLA_FLAGS set by main)."""
+    import glob
+
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    import training.xla_backend as xb
+    from training.config import load_config
+
+    dump = os.environ["XLA_FLAGS"].split("--xla_dump_to=")[1].split()[0]
+    data = Path(dump).parent / "data"
+    data.mkdir()
+    (data / "meta.json").write_text(json.dumps({"vocab_size": 4096}))  # read by the launch check only
+    if args.devices % 2:
+        sys.exit(f"bench/optimizer.py: --only zero needs an even --devices (data 2 x fsdp devices/2), got {args.devices}")
+    cfg = load_config(None, ["training.max_steps=1", "training.optimizer=adamw", "xla.mode=spmd", "xla.mesh.data=2",
+                             f"xla.mesh.fsdp={args.devices // 2}", "xla.shard_optimizer_over_data=true",
+                             f"data.dir={data}"])
+    backend = xb.XLABackend(cfg)
+    ours = xb.state_partition_spec
+    forms = {}
+    for form in ("fsdp_major", "data_major"):
+        if form == "data_major":   # the state's specs are taken while the optimiser is prepared
+            xb.state_partition_spec = lambda spec, over: spec and tuple(
+                ("data", "fsdp") if a == ("fsdp", "data") else a for a in ours(spec, over))
+        try:
+            model, opt = model_and_optimizer(backend, cfg, args)
+            opt.init_state()
+            backend.prepare_optimizer(opt)
+        finally:
+            xb.state_partition_spec = ours
+        forms[form] = (model, opt)
+    torch_xla.sync()
+    x = torch.randint(0, model_config(args).vocab_size, (args.batch * args.devices, args.seq),
+                      generator=torch.Generator().manual_seed(0)).to(backend.device)
+    times, comms, late = {f: [] for f in forms}, {f: {} for f in forms}, {f: 0 for f in forms}
+    warmup = 2
+    for r in range(warmup + args.repeats):
+        for form, (model, opt) in forms.items():
+            t0 = time.perf_counter()
+            for graph in ("forward_backward", "update"):
+                seen = set(glob.glob(f"{dump}/*after_optimizations.txt"))
+                if graph == "forward_backward":
+                    model(x, x).loss.backward()
+                else:
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                torch_xla.sync()
+                new = set(glob.glob(f"{dump}/*after_optimizations.txt")) - seen
+                if r < warmup and new:
+                    comms[form][graph] = _collectives(Path(f).read_text() for f in new)
+                late[form] += r >= warmup and bool(new)
+            xm.wait_device_ops()
+            if r >= warmup:
+                times[form].append(time.perf_counter() - t0)
+    a, b = (forms[f][0] for f in forms)
+    diff = max((p.cpu() - q.cpu()).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
+    median = {f: statistics.median(times[f]) for f in forms}
+    return {"d_model": args.d_model, "layers": args.layers, "devices": args.devices, "repeats": args.repeats,
+            "forms": {f: {**comms[f], "step_ms": 1e3 * median[f], "compiled_while_timed": late[f]} for f in forms},
+            "data_major_over_fsdp_major": median["data_major"] / median["fsdp_major"],
+            "max_weight_difference_after_all_steps": diff}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--d-model", type=int, default=512)
@@ -322,12 +397,12 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--devices", type=int, default=4, help="spmd: PJRT CPU devices, all on fsdp")
-    ap.add_argument("--only", default="fsdp2,ddp,spmd", help="sections, comma-separated: fsdp2, ddp, spmd")
-    ap.add_argument("--spmd-here", action="store_true", help=argparse.SUPPRESS)  # the spmd child process
+    ap.add_argument("--devices", type=int, default=4, help="spmd: PJRT CPU devices, all on fsdp; zero: data 2 x fsdp the rest")
+    ap.add_argument("--only", default="fsdp2,ddp,spmd,zero", help="sections, comma-separated: fsdp2, ddp, spmd, zero")
+    ap.add_argument("--xla-here", choices=("spmd", "zero"), help=argparse.SUPPRESS)  # an XLA section's child process
     args = ap.parse_args(argv)
-    if args.spmd_here:
-        print(json.dumps(_spmd(args)))
+    if args.xla_here:
+        print(json.dumps((_spmd if args.xla_here == "spmd" else _zero)(args)))
         return 0
     import subprocess
     import tempfile
@@ -341,14 +416,17 @@ def main(argv=None) -> int:
             out = os.path.join(tmp, "ddp.json")
             mp.spawn(_ddp_worker, args=(args.procs, _free_port(), args, out), nprocs=args.procs)
             result["ddp"] = json.loads(Path(out).read_text())
-        if "spmd" in args.only.split(","):
+        for section in ("spmd", "zero"):
+            if section not in args.only.split(","):
+                continue
             env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(args.devices),
-                   "XLA_FLAGS": f"--xla_dump_to={tmp}/hlo --xla_dump_hlo_as_text"}
-            r = subprocess.run([sys.executable, __file__, "--spmd-here", *(argv if argv is not None else sys.argv[1:])],
-                               env=env, capture_output=True, text=True)
+                   "XLA_FLAGS": f"--xla_dump_to={tmp}/{section}/hlo --xla_dump_hlo_as_text"}
+            os.makedirs(f"{tmp}/{section}")
+            r = subprocess.run([sys.executable, __file__, "--xla-here", section,
+                                *(argv if argv is not None else sys.argv[1:])], env=env, capture_output=True, text=True)
             if r.returncode:
-                sys.exit(f"bench/optimizer.py: the spmd section failed:\n{r.stderr[-3000:]}")
-            result["spmd"] = json.loads(r.stdout.strip().splitlines()[-1])
+                sys.exit(f"bench/optimizer.py: the {section} section failed:\n{r.stderr[-3000:]}")
+            result[section] = json.loads(r.stdout.strip().splitlines()[-1])
     print(json.dumps(result))
     return 0
 

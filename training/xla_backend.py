@@ -582,7 +582,7 @@ class XLABackend(Backend):
         2.74-3.15 (README, "Compilation and host syncs on XLA")."""
         used = {a for p in params for axis in self._state_spec(p) if axis
                 for a in (axis if isinstance(axis, tuple) else (axis,))}
-        axes = tuple(a for a in ("data", "fsdp", "tp") if a in used)
+        axes = tuple(a for a in ("fsdp", "data", "tp") if a in used)   # the state's order (sharding.py)
         if axes:
             self.xs.mark_sharding(stack, self.mesh, (axes, None, None))
 
