@@ -745,6 +745,27 @@ def test_stop_decisions_come_about_once_a_second(seconds, interval):
 
 
 
+def test_tensor_parallel_pairs_and_zero_state_specs():
+    """SPMD's partition specs (training/sharding.py), as Megatron-LM and torch's ColwiseParallel /
+    RowwiseParallel split a Linear's weight [out, in]: q, k, v and the FFN's w1, w3 by output
+    features (dim 0) over tp, their consumers wo and w2 by input features (dim 1), so each pair
+    needs one reduction and no gather between; fsdp takes the other dimension. Other matrices are
+    fsdp only, vectors replicated. The ZeRO-2 state splits the fsdp dimension fsdp-major."""
+    import torch
+
+    from training.sharding import param_partition_spec, state_partition_spec
+    w, v = torch.empty(8, 8), torch.empty(8)
+    for name in ("attn.wq", "attn.wk", "attn.wv", "ffn.w1", "ffn.w3"):
+        assert param_partition_spec(f"blocks.3.{name}.weight", w) == ("tp", "fsdp"), name
+    for name in ("attn.wo", "ffn.w2"):
+        assert param_partition_spec(f"blocks.3.{name}.weight", w) == ("fsdp", "tp"), name
+    for name in ("tok_emb.weight", "blocks.3.hc_attn.phi.weight", "lm_head.weight"):
+        assert param_partition_spec(name, w) == ("fsdp", None), name
+    assert param_partition_spec("blocks.3.attn_norm.weight", v) is None
+    assert state_partition_spec(("tp", "fsdp"), True) == ("tp", ("fsdp", "data"))
+    assert state_partition_spec(("fsdp", None), True) == (("fsdp", "data"), None)
+    assert state_partition_spec(("tp", "fsdp"), False) == ("tp", "fsdp") and state_partition_spec(None, True) is None
+
 def test_processes_agree_on_the_step_of_the_next_stop_decision():
     """should_stop's one all-reduce also agrees on when to decide next: the slowest process's
     interval. This process steps fast (~10 ms a step: every 10 steps, its log interval) and

@@ -338,6 +338,34 @@ def test_spmd_muon_orthogonalises_whole_matrices(tmp_path, stdlib_data):
     assert all(spec == "{devices=[4,1,1]0,2,1,3}" for _, spec in out["zero2"]), out["zero2"]
 
 
+BATCH_LAYOUT = r"""
+import json, sys
+import torch, torch_xla
+from training.config import load_config
+from training.xla_backend import XLABackend
+
+out = {}
+for name, over in {"data_fsdp": ["xla.mesh.data=2", "xla.mesh.fsdp=2"],
+                   "fsdp_tp": ["xla.mesh.fsdp=2", "xla.mesh.tp=2"]}.items():
+    backend = XLABackend(load_config(sys.argv[1], ["xla.mode=spmd", *over]))
+    x = torch.arange(8 * 16).view(8, 16)
+    batches = backend.batches([(x, x + 1)])
+    got = next(iter(batches))
+    out[name] = [torch_xla._XLAC._get_xla_sharding_spec(t) for t in got]
+    backend.close_batches(batches)
+print("REPORT " + json.dumps(out))
+"""
+
+
+@pytest.mark.xla
+def test_spmd_batches_are_split_over_data_x_fsdp(tmp_path, stdlib_data):
+    """Every device computes its own rows of the global batch: split over data x fsdp (replicated
+    over tp, whose devices share the rows), not over data alone (fsdp's devices would each compute
+    the whole data shard, fsdp times the work and activation memory)."""
+    out = script_report(BATCH_LAYOUT, tiny_config(tmp_path, stdlib_data, **SMALL), env=SPMD)
+    assert out["data_fsdp"] == ["{devices=[4,1]0,1,2,3}"] * 2
+    assert out["fsdp_tp"] == ["{devices=[2,1,2]0,1,2,3 last_tile_dim_replicate}"] * 2
+
 def _train(tmp_path, name, stdlib_data, env=ENV, args=(), **over):
     d = tmp_path / name
     d.mkdir()
