@@ -215,6 +215,68 @@ def test_launch_checks_refuse_in_one_line_before_compiling(tmp_path, stdlib_data
     assert not (tmp_path / "run" / "xla_metrics.json").exists()
 
 
+# build_mesh and tp_problem on TPU slices that are not here: torch_xla's runtime queries answered
+# as a TPU job's (each chip's physical coords and slice, as torch_xla's own HybridMesh tests do),
+# so the mesh is torch_xla's HybridMesh over that topology.
+TPU_MESH = r"""
+import json
+from types import SimpleNamespace
+import torch_xla, torch_xla.runtime as xr, torch_xla.core.xla_model as xm
+from training.config import ConfigError
+from training.xla_backend import build_mesh, tp_problem
+
+def topology(slices, shape):   # chips of each slice on an x, y, z grid; device ordinals x fastest
+    attrs = []
+    for s in range(slices):
+        for z in range(shape[2]):
+            for y in range(shape[1]):
+                for x in range(shape[0]):
+                    a = {"name": f"TPU:{len(attrs)}", "coords": [x, y, z], "core_on_chip": 0}
+                    attrs.append({**a, "slice_index": s} if slices > 1 else a)
+    xr.device_type = lambda: "TPU"
+    xr.global_runtime_device_attributes = lambda: [dict(a) for a in attrs]
+    xr.global_runtime_device_count = lambda: len(attrs)
+    xm.xla_device_hw = lambda device: "TPU"
+
+def mesh(**axes):
+    m = SimpleNamespace(**{"data": 1, "fsdp": 1, "tp": 1, "dcn_data": 1, **axes})
+    try:
+        return build_mesh(m).get_logical_mesh().tolist(), m
+    except ConfigError as e:
+        return str(e), m
+
+out = {}
+topology(2, (2, 2, 1))                     # two slices of 4 chips (v4-8)
+out["two_slices"] = mesh(data=2, fsdp=4, dcn_data=2)[0]
+out["two_slices_dcn_1"] = mesh(data=2, fsdp=4)[0]
+topology(1, (2, 2, 2))                     # one slice of 8 chips, two hosts of 4
+logical, m = mesh(fsdp=4, tp=2)
+out["tp_pairs"] = logical
+groups = [g for row in logical for plane in row for g in [plane]]
+host = sorted(d for g in groups[:2] for d in g)   # a host holding two whole tp groups
+torch_xla._XLAC._xla_get_runtime_devices = lambda: [f"TPU:{d}" for d in host]
+out["tp_within"] = tp_problem(build_mesh(m), m)
+torch_xla._XLAC._xla_get_runtime_devices = lambda: [f"TPU:{g[0]}" for g in groups]   # one chip of each pair
+out["tp_across"] = tp_problem(build_mesh(m), m)
+print("REPORT " + json.dumps(out))
+"""
+
+
+@pytest.mark.xla
+def test_tpu_meshes_follow_slices_and_keep_tp_within_a_host():
+    """On TPU the data axis spans the slices (dcn_data: each slice one data group, fsdp and tp
+    within it), a dcn_data that is not the job's slice count is refused, and the tp check names a
+    tensor-parallel group whose chips are on different hosts."""
+    out = script_report(TPU_MESH, env={**ENV, "CPU_NUM_DEVICES": "1"})
+    first, second = out["two_slices"]
+    assert sorted(sum(first, [])) == [0, 1, 2, 3] and sorted(sum(second, [])) == [4, 5, 6, 7]
+    assert out["two_slices_dcn_1"] == "xla.mesh.dcn_data=1, but this job runs on 2 TPU slice(s)"
+    pairs = [g for row in out["tp_pairs"] for g in row]
+    assert sorted(sum(pairs, [])) == list(range(8)) and all(len(g) == 2 for g in pairs)
+    assert out["tp_within"] == ""
+    assert out["tp_across"].startswith("xla.mesh.tp=2: the tensor-parallel group of devices ")
+    assert out["tp_across"].endswith("spans hosts (4 devices per host); keep tp within one host")
+
 ADAMW = r"""
 import json, torch, torch_xla
 import torch_xla.debug.metrics as met
