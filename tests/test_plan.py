@@ -191,6 +191,9 @@ def test_train_xla_evaluates_beside_the_gradients_it_holds(accum):
     assert plan.evaluation.parts["gradients"] == (grads if accum > 1 else 0)
     if accum > 1:  # at the training peak too (a middle micro-step's forward); without, the peak may precede them
         assert plan.train.parts["gradients"] == grads
+    # train.py on one device frees them after each update (zero_grad(set_to_none=True)), accumulating or not
+    one, _ = P.make_plan(cfg, "torch", P.device_for("cpu", "torch"), world_size=1)
+    assert one.evaluation.parts["gradients"] == 0
 
 
 def _phases(trace, layout):
@@ -447,6 +450,12 @@ def test_mesh_lever_keeps_data_a_multiple_of_dcn_data():
     levers = P.find_levers(plan, "xla", trace)
     meshes = [lev.overrides for lev in levers if lev.overrides[0].startswith("xla.mesh.data=")]
     assert meshes == [["xla.mesh.data=4", "xla.mesh.fsdp=2"], ["xla.mesh.data=2", "xla.mesh.fsdp=4"]]
+    # with no data axis there is nothing to shard the state over: no such lever
+    one = load_config(ROOT / "configs" / "demo.yaml", ["xla.mode=spmd", "xla.mesh.data=1", "xla.mesh.fsdp=8",
+                                                        "training.batch_size=16", "xla.shard_optimizer_over_data=false"])
+    plan, trace = P.make_plan(one, "xla", P.device_for("v5e", "xla"), margin=0.9999)
+    assert not plan.fits   # (margin 0.9999) so every lever is looked for
+    assert not any("xla.shard_optimizer_over_data=true" in lev.overrides for lev in P.find_levers(plan, "xla", trace))
     for i in range(len(levers)):
         load_config(ROOT / "configs" / "demo.yaml", over + [o for lev in levers[:i + 1] for o in lev.overrides])
 
