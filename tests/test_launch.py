@@ -14,7 +14,7 @@ import pytest
 from helpers import ENV, ROOT, tiny_config
 from training.config import ConfigError, load_config
 from training.launch import (PER_HOST_KEYS, agree_at_launch, config_difference, config_items, config_text,
-                             configs_differ, launch_entry, launch_verdict)
+                             configs_differ, launch_entry, launch_verdict, under_torchrun)
 from training.loop import main
 
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
@@ -105,6 +105,19 @@ def test_agree_at_launch_with_scripted_processes(tmp_path, stdlib_data):
     with pytest.raises(ConfigError, match=rf"^data.dir: {tmp_path / 'none'} does not exist .* \(found by process 0\)$"):
         agree_at_launch(ScriptedHost([mine], fp), missing)
 
+
+
+@pytest.mark.parametrize("env, together", [
+    ({"RANK": "0", "WORLD_SIZE": "2"}, True), ({"RANK": "1", "WORLD_SIZE": "8"}, True),
+    ({"RANK": "0", "WORLD_SIZE": "1"}, False),     # torchrun --nproc_per_node=1: checks its data alone
+    ({"WORLD_SIZE": "2"}, False), ({}, False), ({"RANK": "0", "WORLD_SIZE": "two"}, False),
+])
+def test_train_py_is_launched_together_only_among_several_torchrun_processes(monkeypatch, env, together):
+    for key in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert under_torchrun() is together
 
 def test_one_process_has_nothing_to_agree_on_but_its_own_problem(tmp_path):
     """A single process compares nothing (main ran check_data before its backend was made;
