@@ -1188,7 +1188,8 @@ def test_gpu_peaks_match_whole_words_of_the_device_name(name, peak):
 @pytest.mark.parametrize("name, bf16, fp32", [
     ("NVIDIA A100-SXM4-80GB", 312e12, 156e12), ("NVIDIA H100 80GB HBM3", 989e12, 494.5e12),
     ("NVIDIA L4", 121e12, 60.5e12), ("Tesla V100-SXM2-16GB", 15.7e12, 15.7e12), ("Tesla T4", 8.1e12, 8.1e12),
-    ("TPU v4", 275e12, 275e12), ("TPU v6 lite", 918e12, 918e12),
+    ("TPU v4", 275e12, 275e12), ("TPU v5 lite", 197e12, 197e12), ("TPU v5", 459e12, 459e12),
+    ("TPU v6 lite", 918e12, 918e12),
 ])
 def test_peak_follows_the_training_precision(name, bf16, fp32):
     """MFU of an fp32 run is against the peak its matmuls run at: TF32 on Ampere and later GPUs
@@ -1287,3 +1288,4 @@ def test_data_workers_leave_stop_signals_to_the_trainer(stdlib_data):
     # above; the batches came after the signals, and no worker has exited
     assert all(w.exitcode is None for w in workers)
     stream.close()
+

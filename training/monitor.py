@@ -16,9 +16,10 @@ from pathlib import Path
 
 from .checkpoint import atomic_write_text, first_line
 
-# Dense peak FLOP/s of one device in the precision a run trains in there, for MFU (vendors' data
-# sheets, without sparsity): bf16, except on GPUs without bf16 (V100, T4), where training.precision
-# bf16 falls back to fp32 (TorchBackend.autocast_dtype) and the fp32 peak is the one to compare with.
+# Dense peak FLOP/s of one GPU in the precision a run trains in there, for MFU (vendors' data
+# sheets, without sparsity; TPUs are in TPU_DEVICE_KINDS): bf16, except on GPUs without bf16 (V100,
+# T4), where training.precision bf16 falls back to fp32 (TorchBackend.autocast_dtype) and the fp32
+# peak is the one to compare with.
 # training.precision=fp32 on the others runs its matmuls in TF32 (TorchBackend enables it), whose
 # dense peak is half the bf16 one on every GPU listed (A100 156, H100 SXM 495, L4 60 TFLOP/s).
 # A key matches a device name that holds its words in order, whole: "L4" is not the "L40" in
@@ -28,7 +29,6 @@ PEAK_FLOPS = {
     "H100": 989e12, "H100 PCIe": 756e12, "H100 NVL": 835e12, "H800": 989e12, "GH200": 989e12, "A100": 312e12, "A100X": 312e12, "A800": 312e12, "L40S": 362e12, "L40": 181e12,
     "L4": 121e12, "A10": 125e12, "A10G": 70e12, "RTX 4090": 165e12, "RTX 3090": 71e12,
     "V100": 15.7e12, "V100S": 16.4e12, "T4": 8.1e12,
-    "TPU v6": 918e12, "TPU v5p": 459e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v4": 275e12,
 }
 
 
@@ -57,7 +57,7 @@ def peak_flops_for(device_name: str, precision: str = "bf16") -> float | None:
     for key in sorted(PEAK_FLOPS, key=len, reverse=True):
         k = _words(key)
         if any(words[i:i + len(k)] == k for i in range(len(words) - len(k) + 1)):
-            tf32 = precision == "fp32" and key not in FP32_ONLY and not key.startswith("TPU")
+            tf32 = precision == "fp32" and key not in FP32_ONLY
             return PEAK_FLOPS[key] / 2 if tf32 else PEAK_FLOPS[key]
     return None
 
