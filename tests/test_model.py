@@ -839,6 +839,23 @@ def test_metrics_are_detached_scalars():
     assert build(tiny(mhc_streams=1, nash_scales=1))(torch.randint(0, 64, (1, 8))).metrics == {}
 
 
+def test_res_diag_metric_is_the_mean_over_every_hyper_connection(monkeypatch):
+    """``mhc_res_diag``: the mean diagonal entry of H_res over tokens, both hyper-connections of a
+    block and every block (recorded from each connection's own coefficients)."""
+    m = shaken(build(tiny(n_layers=3)))
+    seen = []
+    coefficients = M.HyperConnection.coefficients
+
+    def recording(self, h):
+        out = coefficients(self, h)
+        seen.append(out[2].detach().diagonal(dim1=-2, dim2=-1).mean())
+        return out
+
+    monkeypatch.setattr(M.HyperConnection, "coefficients", recording)
+    out = m(torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(0)))
+    assert len(seen) == 2 * 3 and len({round(v.item(), 4) for v in seen}) > 1   # distinct per connection
+    assert torch.allclose(out.metrics["mhc_res_diag"], torch.stack(seen).mean(), rtol=1e-5)
+
 def test_parameter_metrics_are_the_blocks_means():
     """``mhc_gate`` and ``nash_tau`` (taken inside each block, where FSDP2 has the parameters
     whole) are the means over the layers' hyper-connection gates and temperatures."""
