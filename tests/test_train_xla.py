@@ -395,3 +395,24 @@ def test_what_the_backend_cannot_run_is_refused_once_before_spawning(tmp_path, s
     r = run(["train_xla.py", str(tiny_config(tmp_path, stdlib_data)), "xla.scan_layers=true", "model.dropout=0.1"])
     errors = [ln for ln in r.stderr.splitlines() if "error:" in ln]
     assert r.returncode == 2 and len(errors) == 1 and "model.dropout=0.1" in errors[0], r.stderr[-3000:]
+
+
+SEVERAL_HOSTS = r"""
+import json, os
+from torch_xla._internal import tpu
+import train_xla
+
+out = {}
+for device, workers in (("TPU", 1), ("TPU", 4), ("CPU", 4)):
+    os.environ["PJRT_DEVICE"] = device
+    tpu.num_tpu_workers = lambda: workers   # the slice's worker count, from the TPU metadata
+    out[f"{device} {workers}"] = train_xla._several_hosts(None)
+print("REPORT " + json.dumps(out))
+"""
+
+
+def test_only_a_pod_slice_launches_its_hosts_together():
+    """A failed data check waits for the other hosts' verdict only on a multi-host TPU slice; a
+    single-host TPU VM, or PJRT CPU, refuses alone at once."""
+    out = script_report(SEVERAL_HOSTS, env=ENV)
+    assert out == {"TPU 1": False, "TPU 4": True, "CPU 4": False}
