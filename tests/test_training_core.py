@@ -766,15 +766,17 @@ def test_tensor_parallel_pairs_and_zero_state_specs():
     assert state_partition_spec(("fsdp", None), True) == (("fsdp", "data"), None)
     assert state_partition_spec(("tp", "fsdp"), False) == ("tp", "fsdp") and state_partition_spec(None, True) is None
 
-def test_processes_agree_on_the_step_of_the_next_stop_decision():
+def test_processes_agree_on_the_step_of_the_next_stop_decision(monkeypatch):
     """should_stop's one all-reduce also agrees on when to decide next: the slowest process's
     interval. This process steps fast (~10 ms a step: every 10 steps, its log interval) and
     another slowly (every 3): both decide again 3 steps on, or the next collective would be a
     decision on one process and a training step on the other."""
-    import time
     from types import SimpleNamespace
 
+    import training.loop as loop
     from training.loop import RunState, Trainer
+
+    monkeypatch.setattr(loop, "time", SimpleNamespace(time=lambda: 1000.0))   # the loop's clock: 10 steps in 0.1 s
 
     class TwoProcesses:   # max_across: the element-wise max of this process's values and the other's
         def max_across(self, *values):
@@ -783,7 +785,7 @@ def test_processes_agree_on_the_step_of_the_next_stop_decision():
             return tuple(max(a, b) for a, b in zip(values, other))
 
     trainer = SimpleNamespace(
-        state=RunState(step=20), last_decision=(time.time() - 0.1, 10), backend=TwoProcesses(),
+        state=RunState(step=20), last_decision=(999.9, 10), backend=TwoProcesses(),
         cfg=SimpleNamespace(logging=SimpleNamespace(interval=10)), stop_nonfinite=False, data_error=None,
         checkpointer=SimpleNamespace(failed=lambda: False))
     assert Trainer.should_stop(trainer) is None
