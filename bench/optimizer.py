@@ -339,7 +339,8 @@ def _zero(args) -> dict:
     data.mkdir()
     (data / "meta.json").write_text(json.dumps({"vocab_size": 4096}))  # read by the launch check only
     if args.devices % 2:
-        sys.exit(f"bench/optimizer.py: --only zero needs an even --devices (data 2 x fsdp devices/2), got {args.devices}")
+        sys.exit(f"bench/optimizer.py: --only zero needs an even --devices (data 2 x fsdp devices/2), "
+                 f"got {args.devices}")
     cfg = load_config(None, ["training.max_steps=1", "training.optimizer=adamw", "xla.mode=spmd", "xla.mesh.data=2",
                              f"xla.mesh.fsdp={args.devices // 2}", "xla.shard_optimizer_over_data=true",
                              f"data.dir={data}"])
@@ -397,7 +398,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--devices", type=int, default=4, help="spmd: PJRT CPU devices, all on fsdp; zero: data 2 x fsdp the rest")
+    ap.add_argument("--devices", type=int, default=4,
+                    help="spmd: PJRT CPU devices, all on fsdp; zero: data 2 x fsdp the rest")
     ap.add_argument("--only", default="fsdp2,ddp,spmd,zero", help="sections, comma-separated: fsdp2, ddp, spmd, zero")
     ap.add_argument("--xla-here", choices=("spmd", "zero"), help=argparse.SUPPRESS)  # an XLA section's child process
     args = ap.parse_args(argv)

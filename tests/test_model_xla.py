@@ -81,7 +81,8 @@ for name, (kw, precisions) in configs.items():
 # H_res only through small numbers
 from training.xla_backend import SinkhornLoop
 g = torch.Generator().manual_seed(0)
-p0, up = torch.rand(4, 4, 50, generator=g, dtype=torch.float64) + 0.1, torch.randn(4, 4, 50, generator=g, dtype=torch.float64)
+p0 = torch.rand(4, 4, 50, generator=g, dtype=torch.float64) + 0.1
+up = torch.randn(4, 4, 50, generator=g, dtype=torch.float64)
 ref = p0.clone().requires_grad_(True)
 q = ref
 for _ in range(5):

@@ -452,7 +452,8 @@ def test_mesh_lever_keeps_data_a_multiple_of_dcn_data():
     assert meshes == [["xla.mesh.data=4", "xla.mesh.fsdp=2"], ["xla.mesh.data=2", "xla.mesh.fsdp=4"]]
     # with no data axis there is nothing to shard the state over: no such lever
     one = load_config(ROOT / "configs" / "demo.yaml", ["xla.mode=spmd", "xla.mesh.data=1", "xla.mesh.fsdp=8",
-                                                        "training.batch_size=16", "xla.shard_optimizer_over_data=false"])
+                                                        "training.batch_size=16",
+                                                        "xla.shard_optimizer_over_data=false"])
     plan, trace = P.make_plan(one, "xla", P.device_for("v5e", "xla"), margin=0.9999)
     assert not plan.fits   # (margin 0.9999) so every lever is looked for
     assert not any("xla.shard_optimizer_over_data=true" in lev.overrides for lev in P.find_levers(plan, "xla", trace))

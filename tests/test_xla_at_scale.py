@@ -252,7 +252,7 @@ out["two_slices_dcn_1"] = mesh(data=2, fsdp=4)[0]
 topology(1, (2, 2, 2))                     # one slice of 8 chips, two hosts of 4
 logical, m = mesh(fsdp=4, tp=2)
 out["tp_pairs"] = logical
-groups = [g for row in logical for plane in row for g in [plane]]
+groups = [g for row in logical for g in row]   # the tp pairs
 host = sorted(d for g in groups[:2] for d in g)   # a host holding two whole tp groups
 torch_xla._XLAC._xla_get_runtime_devices = lambda: [f"TPU:{d}" for d in host]
 out["tp_within"] = tp_problem(build_mesh(m), m)
