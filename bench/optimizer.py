@@ -264,6 +264,20 @@ def _collectives(texts) -> dict:
     return {"collectives": sum(found.values()), "by_kind": dict(found), "result_bytes_per_device": nbytes}
 
 
+def _xla_backend(overrides: list[str]):
+    """An XLA section's ``XLABackend`` (this process: PJRT_DEVICE=CPU, CPU_NUM_DEVICES and XLA_FLAGS
+    set by main), its config, and the directory XLA dumps its graphs into."""
+    from training.config import load_config
+    from training.xla_backend import XLABackend
+
+    dump = os.environ["XLA_FLAGS"].split("--xla_dump_to=")[1].split()[0]
+    data = Path(dump).parent / "data"
+    data.mkdir()
+    (data / "meta.json").write_text(json.dumps({"vocab_size": 4096}))  # read by the launch check only
+    cfg = load_config(None, ["training.max_steps=1", "xla.mode=spmd", f"data.dir={data}", *overrides])
+    return XLABackend(cfg), cfg, dump
+
+
 def _spmd(args) -> dict:
     """The spmd section, in this process (PJRT_DEVICE=CPU, CPU_NUM_DEVICES and XLA_FLAGS set by main)."""
     import glob
@@ -271,15 +285,7 @@ def _spmd(args) -> dict:
     import torch_xla
     import torch_xla.core.xla_model as xm
 
-    from training.config import load_config
-    from training.xla_backend import XLABackend
-
-    data = Path(os.environ["XLA_FLAGS"].split("--xla_dump_to=")[1].split()[0]).parent / "data"
-    data.mkdir()
-    (data / "meta.json").write_text(json.dumps({"vocab_size": 4096}))  # read by the launch check only
-    cfg = load_config(None, ["training.max_steps=1", "training.optimizer=muon", "xla.mode=spmd",
-                             "xla.mesh.data=1", f"xla.mesh.fsdp={args.devices}", f"data.dir={data}"])
-    backend = XLABackend(cfg)
+    backend, cfg, dump = _xla_backend(["training.optimizer=muon", "xla.mesh.data=1", f"xla.mesh.fsdp={args.devices}"])
     vocab = model_config(args).vocab_size
     forms = {}
     for form in ("by_matrix", "per_product"):
@@ -291,7 +297,6 @@ def _spmd(args) -> dict:
         forms[form] = (model, opt)
     x = torch.randint(0, vocab, (args.batch * args.devices, args.seq),
                       generator=torch.Generator().manual_seed(0)).to(backend.device)
-    dump = os.environ["XLA_FLAGS"].split("--xla_dump_to=")[1].split()[0]
     times, comms, late = {f: [] for f in forms}, {}, {f: 0 for f in forms}
     # the second step compiles a graph of its own too: the first one also creates the optimiser
     # state (no sync after init_state, which the Trainer has), and the parameters and state it
@@ -332,19 +337,12 @@ def _zero(args) -> dict:
     import torch_xla.core.xla_model as xm
 
     import training.xla_backend as xb
-    from training.config import load_config
 
-    dump = os.environ["XLA_FLAGS"].split("--xla_dump_to=")[1].split()[0]
-    data = Path(dump).parent / "data"
-    data.mkdir()
-    (data / "meta.json").write_text(json.dumps({"vocab_size": 4096}))  # read by the launch check only
     if args.devices % 2:
         sys.exit(f"bench/optimizer.py: --only zero needs an even --devices (data 2 x fsdp devices/2), "
                  f"got {args.devices}")
-    cfg = load_config(None, ["training.max_steps=1", "training.optimizer=adamw", "xla.mode=spmd", "xla.mesh.data=2",
-                             f"xla.mesh.fsdp={args.devices // 2}", "xla.shard_optimizer_over_data=true",
-                             f"data.dir={data}"])
-    backend = xb.XLABackend(cfg)
+    backend, cfg, dump = _xla_backend(["training.optimizer=adamw", "xla.mesh.data=2",
+                                       f"xla.mesh.fsdp={args.devices // 2}", "xla.shard_optimizer_over_data=true"])
     ours = xb.state_partition_spec
     forms = {}
     for form in ("fsdp_major", "data_major"):

@@ -811,8 +811,8 @@ def test_dropout_only_in_training_on_both_sub_layers(streams):
         m.eval()
         assert torch.equal(m(idx).logits, m(idx).logits)
     m.train()   # generate evaluates whatever mode the model is in, and leaves it as it was
-    g = lambda: m.generate(idx[:, :4], 6, temperature=0)
-    assert torch.equal(g(), g()) and m.training
+    greedy = [m.generate(idx[:, :4], 6, temperature=0) for _ in range(2)]
+    assert torch.equal(*greedy) and m.training
 
 
 def test_output_projections_start_smaller_by_sqrt_2_layers():
