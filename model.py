@@ -630,6 +630,19 @@ def normed_projection(x, w, eps):
     return _NormedProjection.apply(x, w, eps)
 
 
+class NormedLinear(nn.Linear):
+    """mHC's projection ``phi``: a bias-free Linear whose forward is ``normed_projection`` of its
+    input (the RMS norm folded in, fp32 weight). A Linear, so what treats Linears alike treats it
+    alike: its init, FLOP count, optimiser group, and the SPMD backend's activation sharding."""
+
+    def __init__(self, in_features: int, out_features: int, eps: float):
+        super().__init__(in_features, out_features, bias=False)
+        self.eps = eps
+
+    def forward(self, x):
+        return normed_projection(x, self.weight.float(), self.eps)
+
+
 def stream_read(w, h):
     """``x = sum_i w_i h_i`` per token, in fp32 (``w [..., n]`` fp32, ``h [..., n, C]``)."""
     if _fusing(h):
@@ -747,10 +760,10 @@ class HyperConnection(nn.Module):
     def __init__(self, cfg: ModelConfig, favoured: int):
         super().__init__()
         n = cfg.mhc_streams
-        self.n, self.iters, self.eps, self.lite = n, cfg.sinkhorn_iters, cfg.norm_eps, cfg.mhc_lite
+        self.n, self.iters, self.lite = n, cfg.sinkhorn_iters, cfg.mhc_lite
         self.favoured = favoured
         self.n_res = math.factorial(n) if cfg.mhc_lite else n * n
-        self.phi = nn.Linear(n * cfg.d_model, 2 * n + self.n_res, bias=False)
+        self.phi = NormedLinear(n * cfg.d_model, 2 * n + self.n_res, cfg.norm_eps)
         self.alpha = nn.Parameter(torch.empty(3))                # gates of pre, post, res
         self.b_pre = nn.Parameter(torch.empty(n))
         self.b_post = nn.Parameter(torch.empty(n))
@@ -792,7 +805,7 @@ class HyperConnection(nn.Module):
         """fp32 ``H_pre [B, T, n]``, ``H_post [B, T, n]``, ``H_res [B, T, n, n]`` for ``h [B, T, n, C]``."""
         n = self.n
         with torch.autocast(device_type=h.device.type, enabled=False):
-            z = normed_projection(h.flatten(-2), self.phi.weight.float(), self.eps)
+            z = self.phi(h.flatten(-2))
             bias = torch.cat([self.b_pre, self.b_post, self.b_res]).float()
             z = z * (self.alpha.float() @ self.gate_spread.float()) + bias
             gates, res = z.split([2 * n, self.n_res], dim=-1)   # split: its gradient is one concatenation
@@ -827,8 +840,7 @@ class StreamCollapse(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         n = cfg.mhc_streams
-        self.eps = cfg.norm_eps
-        self.phi = nn.Linear(n * cfg.d_model, n, bias=False)
+        self.phi = NormedLinear(n * cfg.d_model, n, cfg.norm_eps)
         self.alpha = nn.Parameter(torch.empty(1))
         self.bias = nn.Parameter(torch.empty(n))
 
@@ -839,7 +851,7 @@ class StreamCollapse(nn.Module):
 
     def forward(self, h):
         with torch.autocast(device_type=h.device.type, enabled=False):
-            z = normed_projection(h.flatten(-2), self.phi.weight.float(), self.eps)
+            z = self.phi(h.flatten(-2))
             w = torch.sigmoid(self.alpha.float() * z + self.bias.float())
             return stream_read(w, h).to(self.phi.weight.dtype)   # as in HyperConnection.read
 
