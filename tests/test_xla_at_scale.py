@@ -3,6 +3,7 @@ graphs whatever the accumulation, the log interval and the mode; one device-to-h
 log line; the blocks as one scanned loop with the unrolled model's losses; TPU peak FLOP/s by
 device kind; launch checks that refuse with one line before anything compiles."""
 import json
+import re
 import subprocess
 import sys
 
@@ -443,6 +444,56 @@ def _transfers_per_line(rows):
     the evaluation: left out)."""
     steady = [r for r in rows if r["step"] < rows[-1]["step"]]
     return {(b["xla_transfers"] - a["xla_transfers"]) for a, b in zip(steady, steady[1:])}
+
+
+ACTIVATION_LAYOUT = r"""
+import glob, json, os, re, sys
+import torch, torch_xla
+from model import NashMHC
+from training.config import load_config
+from training.xla_backend import XLABackend
+
+dump = sys.argv[2]
+out = {}
+for name, over in {"data_fsdp": ["xla.mesh.data=2", "xla.mesh.fsdp=2"],
+                   "fsdp_tp": ["xla.mesh.fsdp=2", "xla.mesh.tp=2"],
+                   "data_fsdp_scan": ["xla.mesh.data=2", "xla.mesh.fsdp=2", "xla.scan_layers=true"]}.items():
+    cfg = load_config(sys.argv[1], ["xla.mode=spmd", *over])
+    backend = XLABackend(cfg)
+    torch.manual_seed(0)
+    model = backend.prepare_model(NashMHC(cfg.model), cfg)
+    tokens = torch.randint(0, cfg.model.vocab_size, (12, 16))
+    batches = backend.batches([(tokens, tokens)])
+    x, y = next(iter(batches))
+    seen = set(glob.glob(f"{dump}/*after_optimizations.txt"))
+    model(x, y).loss.backward()
+    torch_xla.sync()
+    text = "".join(open(f).read() for f in set(glob.glob(f"{dump}/*after_optimizations.txt")) - seen)
+    # every collective of the partitioned forward and backward: (kind, result shape on one device)
+    out[name] = re.findall(r"= \(?(\w+\[[\d,]*\])\S* (all-gather|all-reduce|all-to-all|collective-permute|"
+                           r"reduce-scatter)(?:-start)?\(", text)
+    backend.close_batches(batches)
+print("REPORT " + json.dumps(out))
+"""
+
+
+@pytest.mark.xla
+def test_spmd_activations_keep_the_batch_split(tmp_path, stdlib_data):
+    """Each device computes its own rows of the batch through the whole forward and backward: no
+    collective moves an activation of the global batch (12 sequences of 16 tokens: [12, 16, ...]
+    or [192, ...] on one device) except the embedding gradient's scatter into the vocabulary-sharded
+    table, which gathers the token ids and their gradient rows. Left to GSPMD's propagation the
+    weights' shardings won: the token ids were gathered at the embedding, every device ran the
+    whole batch split by features and all-reduced partial products, all-to-alls and permutes
+    between the two layouts (228 such collectives at d_model 256, ~10x the bytes; bench/optimizer.py
+    --only activations)."""
+    dump = tmp_path / "hlo"
+    env = {**SPMD, "XLA_FLAGS": f"{SPMD.get('XLA_FLAGS', '')} --xla_dump_to={dump} --xla_dump_hlo_as_text"}
+    out = script_report(ACTIVATION_LAYOUT, tiny_config(tmp_path, stdlib_data, **SMALL), dump, env=env)
+    for mesh, collectives in out.items():
+        assert collectives, mesh  # the weights are sharded: their all-gathers at least
+        batch_sized = [(kind, shape) for shape, kind in collectives if re.search(r"\[(12,16|192)\b", shape)]
+        assert len(batch_sized) <= 2 and all(kind == "all-gather" for kind, _ in batch_sized), (mesh, batch_sized)
 
 
 @pytest.mark.xla

@@ -25,6 +25,26 @@ def param_partition_spec(name: str, p) -> tuple | None:
     return ("fsdp", None)  # embeddings, mHC projections, pooling: FSDP only
 
 
+def activation_partition_spec(module: str, ndim: int, output: bool) -> tuple:
+    """The SPMD partition spec of an activation ``[batch, ..., features]`` going into (``output``
+    false) or out of a Linear named ``module``, or of another module's (any other name).
+
+    The batch is split over data x fsdp, as the input batch is; the features are split over tp
+    where the Linear's tp-sharded weight puts them (out of a column-parallel projection, into a
+    row-parallel one: Megatron's layout), and whole elsewhere.
+
+    Without these constraints GSPMD's propagation follows the weights' shardings instead of the
+    batch's: on a data 2 x fsdp 2 mesh it gathered the token ids, ran every activation with the
+    whole global batch on each device, split by features like the weights, and all-reduced their
+    partial products (``bench/optimizer.py --only activations``).
+    """
+    tp = (module in COLUMN_PARALLEL and output) or (module in ROW_PARALLEL and not output)
+    spec = [("data", "fsdp")] + [None] * (ndim - 1)
+    if tp and ndim > 1:
+        spec[-1] = "tp"
+    return tuple(spec)
+
+
 def state_partition_spec(spec: tuple | None, over_data: bool) -> tuple | None:
     """The spec of a parameter's gradient and optimiser state.
 

@@ -50,7 +50,7 @@ from .config import ConfigError, check_xla
 from .distributed import HostGroup, group_timeout, init_gloo, new_gloo_group
 from .monitor import peak_flops_for
 from .optim import AdamW, Muon
-from .sharding import param_partition_spec, state_partition_spec
+from .sharding import activation_partition_spec, param_partition_spec, state_partition_spec
 
 
 class XLAAdamW(AdamW):
@@ -537,7 +537,28 @@ class XLABackend(Backend):
                 if spec is not None and id(p) not in self._specs:
                     self.xs.mark_sharding(p, self.mesh, spec)
                     self._specs[id(p)] = spec
+            self._shard_activations(model)
         return model
+
+    def _shard_activations(self, model: nn.Module) -> None:
+        """Constrain the activations into and out of every Linear (mHC's projections too), out of
+        the embedding and into and out of every block to the batch's sharding, forward and
+        backward (``activation_partition_spec``; torch_xla's ``mark_sharding_with_gradients``, a
+        custom op that scan's AOTAutograd trace keeps). bench/optimizer.py ``--only activations``,
+        data 2 x fsdp 2: see the README's "Compilation and host syncs on XLA"."""
+        def constrain(t: torch.Tensor, module: str, output: bool) -> torch.Tensor:
+            spec = activation_partition_spec(module, t.ndim, output)
+            return self.xs.mark_sharding_with_gradients(t, self.mesh, spec)
+
+        for name, m in model.named_modules():
+            module = name.rsplit(".", 1)[-1]
+            if isinstance(m, nn.Linear):
+                m.register_forward_pre_hook(lambda _, args, module=module: (constrain(args[0], module, False), *args[1:]))
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                m.register_forward_hook(lambda _, args, out, module=module: constrain(out, module, True))
+        for block in getattr(model, "blocks", ()):
+            block.register_forward_pre_hook(lambda _, args: (constrain(args[0], "", False), *args[1:]))
+            block.register_forward_hook(lambda _, args, out: (constrain(out[0], "", True), *out[1:]))
 
     def adamw_factory(self):
         return XLAAdamW
@@ -577,9 +598,9 @@ class XLABackend(Backend):
         XLA pads L up to a multiple of the devices). Split by rows over fsdp, the matrices made XLA
         all-reduce a Gram product at each Newton-Schulz iteration (8 matrices of 512 x 256 on
         fsdp 4, the update alone: 5 all-reduces of the whole [8, 256, 256] product; by matrix, two
-        all-to-alls). bench/optimizer.py, a training step of 8 layers at d_model 512 on fsdp 4:
-        312 MB of collective results per device instead of 1,199, 1.67-1.80 s instead of
-        2.74-3.15 (README, "Compilation and host syncs on XLA")."""
+        all-to-alls). bench/optimizer.py --only spmd, a training step of 8 layers at d_model 512
+        on fsdp 4: 386 MB of collective results per device instead of 1,273, 1.59 s instead of
+        2.69 (README, "Compilation and host syncs on XLA")."""
         used = {a for p in params for axis in self._state_spec(p) if axis
                 for a in (axis if isinstance(axis, tuple) else (axis,))}
         axes = tuple(a for a in ("fsdp", "data", "tp") if a in used)   # the state's order (sharding.py)
