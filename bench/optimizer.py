@@ -1,9 +1,11 @@
 """Muon's optimiser step over sharded matrices: collectives, bytes and time per step, under
-train.py's FSDP2 and under train_xla.py's SPMD; and the layout of SPMD's ZeRO-2 optimiser state.
+train.py's FSDP2 and under train_xla.py's SPMD; the layout of SPMD's ZeRO-2 optimiser state; and
+SPMD's activations, annotated with the batch's split or left to XLA's propagation.
 
     .venv/bin/python bench/optimizer.py                          # d_model 512, 8 layers, 7 repeats, all
     .venv/bin/python bench/optimizer.py --only spmd --d-model 256 --layers 4 --repeats 5
     .venv/bin/python bench/optimizer.py --only zero --d-model 256 --layers 4 --repeats 5
+    .venv/bin/python bench/optimizer.py --only activations --d-model 256 --layers 4 --batch 2 --seq 256 --repeats 5
 
 fsdp2:
 
@@ -54,7 +56,16 @@ Two models with the same weights, steps interleaved (two untimed). Per form and 
 collectives and their result bytes on one device; the median step time; the largest weight
 difference between the forms after all steps.
 
-Prints one JSON object: ``{"fsdp2": ..., "ddp": ..., "spmd": ..., "zero": ...}``.
+activations: the same mesh, AdamW (ZeRO-2 as by default): ``constrained`` (what the backend does: the
+activations into and out of every Linear, out of the embedding and around every block annotated
+with the batch's split, ``XLABackend._shard_activations``) against ``propagated`` (no annotation:
+GSPMD's propagation chooses). Measured as the zero section's forms.
+
+The XLA sections' batch (``--batch`` per device x ``--devices`` sequences of ``--seq`` tokens) is
+split over data x fsdp, as train_xla.py's loader splits it (their figures before the activations
+section came from a batch every device held whole).
+
+Prints one JSON object: ``{"fsdp2": ..., "ddp": ..., "spmd": ..., "zero": ..., "activations": ...}``.
 """
 from __future__ import annotations
 
@@ -286,7 +297,6 @@ def _spmd(args) -> dict:
     import torch_xla.core.xla_model as xm
 
     backend, cfg, dump = _xla_backend(["training.optimizer=muon", "xla.mesh.data=1", f"xla.mesh.fsdp={args.devices}"])
-    vocab = model_config(args).vocab_size
     forms = {}
     for form in ("by_matrix", "per_product"):
         model, opt = model_and_optimizer(backend, cfg, args)
@@ -295,8 +305,7 @@ def _spmd(args) -> dict:
         if form == "per_product":
             opt.lay_out_by_matrix = None
         forms[form] = (model, opt)
-    x = torch.randint(0, vocab, (args.batch * args.devices, args.seq),
-                      generator=torch.Generator().manual_seed(0)).to(backend.device)
+    x = _batch(backend, args)
     times, comms, late = {f: [] for f in forms}, {}, {f: 0 for f in forms}
     # the second step compiles a graph of its own too: the first one also creates the optimiser
     # state (no sync after init_state, which the Trainer has), and the parameters and state it
@@ -329,12 +338,55 @@ def _spmd(args) -> dict:
             "max_weight_difference_after_all_steps": diff}
 
 
-def _zero(args) -> dict:
-    """The zero section, in this process (PJRT_DEVICE=CPU, CPU_NUM_DEVICES and XLA_FLAGS set by main)."""
+def _batch(backend, args):
+    """The benchmark's token batch on the device, split over data x fsdp as train_xla.py's loader
+    splits it (``XLABackend.batches``)."""
+    x = torch.randint(0, model_config(args).vocab_size, (args.batch * args.devices, args.seq),
+                      generator=torch.Generator().manual_seed(0)).to(backend.device)
+    backend.xs.mark_sharding(x, backend.mesh, (("data", "fsdp"), None))
+    return x
+
+
+def _two_graph_steps(forms: dict, x, args, dump: str) -> dict:
+    """``forms`` ({name: (model, optimiser)}) each taking the Trainer's two graphs per step
+    (forward and backward; the update), interleaved, two untimed: per form and graph the
+    collectives (the graph compiled in the untimed steps), the median step time, the graphs
+    compiled while timed; the largest weight difference between the first two forms at the end."""
     import glob
 
     import torch_xla
     import torch_xla.core.xla_model as xm
+
+    times, comms, late = {f: [] for f in forms}, {f: {} for f in forms}, {f: 0 for f in forms}
+    warmup = 2
+    for r in range(warmup + args.repeats):
+        for form, (model, opt) in forms.items():
+            t0 = time.perf_counter()
+            for graph in ("forward_backward", "update"):
+                seen = set(glob.glob(f"{dump}/*after_optimizations.txt"))
+                if graph == "forward_backward":
+                    model(x, x).loss.backward()
+                else:
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                torch_xla.sync()
+                new = set(glob.glob(f"{dump}/*after_optimizations.txt")) - seen
+                if r < warmup and new:
+                    comms[form][graph] = _collectives(Path(f).read_text() for f in new)
+                late[form] += r >= warmup and bool(new)
+            xm.wait_device_ops()
+            if r >= warmup:
+                times[form].append(time.perf_counter() - t0)
+    a, b = (forms[f][0] for f in list(forms)[:2])
+    diff = max((p.cpu() - q.cpu()).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
+    return {"forms": {f: {**comms[f], "step_ms": 1e3 * statistics.median(times[f]), "compiled_while_timed": late[f]}
+                      for f in forms},
+            "max_weight_difference_after_all_steps": diff}
+
+
+def _zero(args) -> dict:
+    """The zero section, in this process (PJRT_DEVICE=CPU, CPU_NUM_DEVICES and XLA_FLAGS set by main)."""
+    import torch_xla
 
     import training.xla_backend as xb
 
@@ -357,35 +409,35 @@ def _zero(args) -> dict:
             xb.state_partition_spec = ours
         forms[form] = (model, opt)
     torch_xla.sync()
-    x = torch.randint(0, model_config(args).vocab_size, (args.batch * args.devices, args.seq),
-                      generator=torch.Generator().manual_seed(0)).to(backend.device)
-    times, comms, late = {f: [] for f in forms}, {f: {} for f in forms}, {f: 0 for f in forms}
-    warmup = 2
-    for r in range(warmup + args.repeats):
-        for form, (model, opt) in forms.items():
-            t0 = time.perf_counter()
-            for graph in ("forward_backward", "update"):
-                seen = set(glob.glob(f"{dump}/*after_optimizations.txt"))
-                if graph == "forward_backward":
-                    model(x, x).loss.backward()
-                else:
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
-                torch_xla.sync()
-                new = set(glob.glob(f"{dump}/*after_optimizations.txt")) - seen
-                if r < warmup and new:
-                    comms[form][graph] = _collectives(Path(f).read_text() for f in new)
-                late[form] += r >= warmup and bool(new)
-            xm.wait_device_ops()
-            if r >= warmup:
-                times[form].append(time.perf_counter() - t0)
-    a, b = (forms[f][0] for f in forms)
-    diff = max((p.cpu() - q.cpu()).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
-    median = {f: statistics.median(times[f]) for f in forms}
+    out = _two_graph_steps(forms, _batch(backend, args), args, dump)
+    ms = {f: v["step_ms"] for f, v in out["forms"].items()}
     return {"d_model": args.d_model, "layers": args.layers, "devices": args.devices, "repeats": args.repeats,
-            "forms": {f: {**comms[f], "step_ms": 1e3 * median[f], "compiled_while_timed": late[f]} for f in forms},
-            "data_major_over_fsdp_major": median["data_major"] / median["fsdp_major"],
-            "max_weight_difference_after_all_steps": diff}
+            **out, "data_major_over_fsdp_major": ms["data_major"] / ms["fsdp_major"]}
+
+
+def _activations(args) -> dict:
+    """The activations section, in this process (PJRT_DEVICE=CPU, CPU_NUM_DEVICES and XLA_FLAGS set by main)."""
+    import torch_xla
+
+    if args.devices % 2:
+        sys.exit(f"bench/optimizer.py: --only activations needs an even --devices (data 2 x fsdp devices/2), "
+                 f"got {args.devices}")
+    backend, cfg, dump = _xla_backend(["training.optimizer=adamw", "xla.mesh.data=2",
+                                       f"xla.mesh.fsdp={args.devices // 2}"])
+    forms = {}
+    for form in ("constrained", "propagated"):
+        if form == "propagated":
+            backend._shard_activations = lambda model: None
+        model, opt = model_and_optimizer(backend, cfg, args)
+        opt.init_state()
+        backend.prepare_optimizer(opt)
+        forms[form] = (model, opt)
+    del backend._shard_activations     # the class's again
+    torch_xla.sync()
+    out = _two_graph_steps(forms, _batch(backend, args), args, dump)
+    ms = {f: v["step_ms"] for f, v in out["forms"].items()}
+    return {"d_model": args.d_model, "layers": args.layers, "devices": args.devices, "batch": args.batch * args.devices,
+            "seq": args.seq, "repeats": args.repeats, **out, "propagated_over_constrained": ms["propagated"] / ms["constrained"]}
 
 
 def main(argv=None) -> int:
@@ -398,11 +450,12 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--devices", type=int, default=4,
                     help="spmd: PJRT CPU devices, all on fsdp; zero: data 2 x fsdp the rest")
-    ap.add_argument("--only", default="fsdp2,ddp,spmd,zero", help="sections, comma-separated: fsdp2, ddp, spmd, zero")
-    ap.add_argument("--xla-here", choices=("spmd", "zero"), help=argparse.SUPPRESS)  # an XLA section's child process
+    ap.add_argument("--only", default="fsdp2,ddp,spmd,zero,activations",
+                    help="sections, comma-separated: fsdp2, ddp, spmd, zero, activations")
+    ap.add_argument("--xla-here", choices=("spmd", "zero", "activations"), help=argparse.SUPPRESS)  # an XLA section's child
     args = ap.parse_args(argv)
     if args.xla_here:
-        print(json.dumps((_spmd if args.xla_here == "spmd" else _zero)(args)))
+        print(json.dumps({"spmd": _spmd, "zero": _zero, "activations": _activations}[args.xla_here](args)))
         return 0
     import subprocess
     import tempfile
@@ -416,7 +469,7 @@ def main(argv=None) -> int:
             out = os.path.join(tmp, "ddp.json")
             mp.spawn(_ddp_worker, args=(args.procs, _free_port(), args, out), nprocs=args.procs)
             result["ddp"] = json.loads(Path(out).read_text())
-        for section in ("spmd", "zero"):
+        for section in ("spmd", "zero", "activations"):
             if section not in args.only.split(","):
                 continue
             env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(args.devices),

@@ -563,20 +563,28 @@ def test_bench_optimizer_fsdp2_and_ddp_sections_run_as_written():
 
 
 @pytest.mark.xla
-def test_zero2_state_lies_within_each_devices_parameter_shard():
-    """`bench/optimizer.py --only zero` at a tiny shape (data 2 x fsdp 2 PJRT CPU devices):
-    with the ZeRO-2 state split fsdp-major (training/sharding.py), the update's only collectives
-    are the all-gathers of the updated shards over data, and the step's collectives deliver fewer
-    bytes; split data-major (as before), XLA moves each state piece to its parameter shard and
-    back (collective-permutes) for twice the update's bytes."""
-    r = subprocess.run([sys.executable, "bench/optimizer.py", "--only", "zero", "--d-model", "64", "--layers", "2",
-                        "--repeats", "1"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+def test_zero2_state_lies_within_each_devices_parameter_shard_and_activations_keep_the_batch():
+    """`bench/optimizer.py --only zero,activations` at a tiny shape (data 2 x fsdp 2 PJRT CPU
+    devices). zero: with the ZeRO-2 state split fsdp-major (training/sharding.py), the update's
+    only collectives are the all-gathers of the updated shards over data; split data-major (as
+    before), XLA moves each state piece to its parameter shard and back (collective-permutes) for
+    twice the update's bytes; the forward and backward are the same graph either way.
+    activations: annotated with the batch's split, the forward and backward move weights only
+    (all-gathers and gradient all-reduces); left to propagation, activations change layout
+    (all-to-alls, permutes) and the collectives deliver more bytes."""
+    r = subprocess.run([sys.executable, "bench/optimizer.py", "--only", "zero,activations", "--d-model", "64",
+                        "--layers", "2", "--repeats", "1"], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                       timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    forms = json.loads(r.stdout.strip().splitlines()[-1])["zero"]["forms"]
-    ours, before = forms["fsdp_major"], forms["data_major"]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    ours, before = res["zero"]["forms"]["fsdp_major"], res["zero"]["forms"]["data_major"]
     assert set(ours["update"]["by_kind"]) == {"all-gather"}
     assert before["update"]["by_kind"]["collective-permute"] > 0
     assert ours["update"]["by_kind"]["all-gather"] == before["update"]["by_kind"]["all-gather"]
-    for graph in ("forward_backward", "update"):
-        assert ours[graph]["result_bytes_per_device"] < before[graph]["result_bytes_per_device"], graph
+    assert ours["update"]["result_bytes_per_device"] < before["update"]["result_bytes_per_device"]
+    assert ours["forward_backward"] == before["forward_backward"]
     assert ours["compiled_while_timed"] == before["compiled_while_timed"] == 0
+    constrained, propagated = (res["activations"]["forms"][f]["forward_backward"] for f in ("constrained", "propagated"))
+    assert set(constrained["by_kind"]) <= {"all-gather", "all-reduce", "reduce-scatter"}, constrained
+    assert {"all-to-all", "collective-permute"} & set(propagated["by_kind"]), propagated
+    assert constrained["result_bytes_per_device"] < propagated["result_bytes_per_device"]
