@@ -5,7 +5,7 @@ SPMD's activations, annotated with the batch's split or left to XLA's propagatio
     .venv/bin/python bench/optimizer.py                          # d_model 512, 8 layers, 7 repeats, all
     .venv/bin/python bench/optimizer.py --only spmd --d-model 256 --layers 4 --repeats 5
     .venv/bin/python bench/optimizer.py --only zero --d-model 256 --layers 4 --repeats 5
-    .venv/bin/python bench/optimizer.py --only activations --d-model 256 --layers 4 --batch 2 --seq 256 --repeats 5
+    .venv/bin/python bench/optimizer.py --only activations,zero --d-model 256 --layers 4 --batch 2 --seq 256 --repeats 5
 
 fsdp2:
 

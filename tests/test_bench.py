@@ -568,7 +568,7 @@ def test_zero2_state_lies_within_each_devices_parameter_shard_and_activations_ke
     devices). zero: with the ZeRO-2 state split fsdp-major (training/sharding.py), the update's
     only collectives are the all-gathers of the updated shards over data; split data-major (as
     before), XLA moves each state piece to its parameter shard and back (collective-permutes) for
-    twice the update's bytes; the forward and backward are the same graph either way.
+    twice the update's bytes; the forward and backward deliver no more bytes.
     activations: annotated with the batch's split, the forward and backward move weights only
     (all-gathers and gradient all-reduces); left to propagation, activations change layout
     (all-to-alls, permutes) and the collectives deliver more bytes."""
@@ -582,7 +582,7 @@ def test_zero2_state_lies_within_each_devices_parameter_shard_and_activations_ke
     assert before["update"]["by_kind"]["collective-permute"] > 0
     assert ours["update"]["by_kind"]["all-gather"] == before["update"]["by_kind"]["all-gather"]
     assert ours["update"]["result_bytes_per_device"] < before["update"]["result_bytes_per_device"]
-    assert ours["forward_backward"] == before["forward_backward"]
+    assert ours["forward_backward"]["result_bytes_per_device"] <= before["forward_backward"]["result_bytes_per_device"]
     assert ours["compiled_while_timed"] == before["compiled_while_timed"] == 0
     constrained, propagated = (res["activations"]["forms"][f]["forward_backward"] for f in ("constrained", "propagated"))
     assert set(constrained["by_kind"]) <= {"all-gather", "all-reduce", "reduce-scatter"}, constrained

@@ -44,6 +44,7 @@ import torch_xla.debug.metrics as met
 import torch_xla.distributed.parallel_loader as pl
 import torch_xla.runtime as xr
 from torch import nn
+from torch.nn import functional as F
 
 from .backend import Backend
 from .config import ConfigError, check_xla
@@ -267,6 +268,35 @@ class ScanBlocks:
         if not self.n_stats:
             return carry, h.new_zeros(0, dtype=torch.float32)
         return carry[0], carry[1] / n
+
+
+class _WholeTableEmbedding(nn.Embedding):
+    """An SPMD embedding (``XLABackend._shard_activations``) whose lookup reads the whole table,
+    gathered over the mesh as FSDP gathers any weight, and whose table gradient is annotated with
+    the table's own split: each device scatters its own tokens' gradient rows into a table of
+    partial sums, which XLA reduce-scatters. Left to GSPMD, with ZeRO-2's gradient split over
+    data x fsdp (``_shard_grad``), the scatter followed that split by vocabulary rows and gathered
+    every token's id and gradient row onto every device: the global batch x d_model per step
+    (tests/test_xla_at_scale.py)."""
+
+    table_sharding: tuple      # (torch_xla.distributed.spmd, the mesh, the table's partition spec)
+
+    def forward(self, ids):
+        table = _WholeTable.apply(self.weight, *self.table_sharding)
+        return F.embedding(ids, table, self.padding_idx, self.max_norm, self.norm_type,
+                           self.scale_grad_by_freq, self.sparse)
+
+
+class _WholeTable(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, table, xs, mesh, spec):
+        ctx.sharding = (xs, mesh, spec)
+        return xs.annotate_custom_sharding(table.clone(), mesh, (None,) * table.ndim).global_tensor
+
+    @staticmethod
+    def backward(ctx, g):
+        xs, mesh, spec = ctx.sharding
+        return xs.annotate_custom_sharding(g.clone(), mesh, spec).global_tensor, None, None, None
 
 
 class SinkhornLoop:
@@ -544,14 +574,18 @@ class XLABackend(Backend):
         """Constrain the activations into and out of every Linear (mHC's projections too), out of
         the embedding and into and out of every block to the batch's sharding, forward and
         backward (``activation_partition_spec``; torch_xla's ``mark_sharding_with_gradients``, a
-        custom op that scan's AOTAutograd trace keeps). bench/optimizer.py ``--only activations``,
-        data 2 x fsdp 2: see the README's "Compilation and host syncs on XLA"."""
+        custom op that scan's AOTAutograd trace keeps), and look tokens up in the embedding's
+        whole table (``_WholeTableEmbedding``). bench/optimizer.py ``--only activations``, data 2
+        x fsdp 2: see the README's "Compilation and host syncs on XLA"."""
         def constrain(t: torch.Tensor, module: str, output: bool) -> torch.Tensor:
             spec = activation_partition_spec(module, t.ndim, output)
             return self.xs.mark_sharding_with_gradients(t, self.mesh, spec)
 
         for name, m in model.named_modules():
             module = name.rsplit(".", 1)[-1]
+            if isinstance(m, nn.Embedding) and id(m.weight) in self._specs:
+                m.__class__ = _WholeTableEmbedding      # as FSDP2's fully_shard swaps a module's class
+                m.table_sharding = (self.xs, self.mesh, self._specs[id(m.weight)])
             if isinstance(m, nn.Linear):
                 m.register_forward_pre_hook(lambda _, args, module=module: (constrain(args[0], module, False), *args[1:]))
             if isinstance(m, (nn.Linear, nn.Embedding)):
