@@ -766,6 +766,24 @@ def test_tensor_parallel_pairs_and_zero_state_specs():
     assert state_partition_spec(("fsdp", None), True) == (("fsdp", "data"), None)
     assert state_partition_spec(("tp", "fsdp"), False) == ("tp", "fsdp") and state_partition_spec(None, True) is None
 
+
+def test_activation_specs_follow_the_batch_and_each_weights_tp_split():
+    """SPMD activations (training/sharding.py): the batch over data x fsdp, as the loader splits
+    it; the features over tp exactly where the Linear's weight puts them: out of a projection
+    whose output features (weight dim 0) are split over tp, into one whose input features (dim 1)
+    are. Whole everywhere else, or every tp device would compute every head's numbers."""
+    import torch
+
+    from training.sharding import activation_partition_spec, param_partition_spec
+    w = torch.empty(8, 8)
+    batch = ("data", "fsdp")
+    for module in ("wq", "wk", "wv", "wo", "w1", "w2", "w3", "phi", "lm_head", "pool"):
+        out_tp, in_tp = (param_partition_spec(f"blocks.0.attn.{module}.weight", w)[i] == "tp" for i in (0, 1))
+        assert activation_partition_spec(module, 3, output=True) == (batch, None, "tp" if out_tp else None), module
+        assert activation_partition_spec(module, 3, output=False) == (batch, None, "tp" if in_tp else None), module
+    assert activation_partition_spec("", 4, output=False) == (batch, None, None, None)   # a block's streams
+    assert activation_partition_spec("tok_emb", 3, output=True) == (batch, None, None)
+
 def test_processes_agree_on_the_step_of_the_next_stop_decision(monkeypatch):
     """should_stop's one all-reduce also agrees on when to decide next: the slowest process's
     interval. This process steps fast (~10 ms a step: every 10 steps, its log interval) and
