@@ -27,7 +27,8 @@ def param_partition_spec(name: str, p) -> tuple | None:
 
 def activation_partition_spec(module: str, ndim: int, output: bool) -> tuple:
     """The SPMD partition spec of an activation ``[batch, ..., features]`` going into (``output``
-    false) or out of a Linear named ``module``, or of another module's (any other name).
+    false) or out of a Linear named ``module`` (or, with any other name, of the embedding or a
+    block).
 
     The batch is split over data x fsdp, as the input batch is; the features are split over tp
     where the Linear's tp-sharded weight puts them (out of a column-parallel projection, into a

@@ -274,7 +274,7 @@ class _WholeTableEmbedding(nn.Embedding):
     """An SPMD embedding (``XLABackend._shard_activations``) whose lookup reads the whole table,
     gathered over the mesh as FSDP gathers any weight, and whose table gradient is annotated with
     the table's own split: each device scatters its own tokens' gradient rows into a table of
-    partial sums, which XLA reduce-scatters. Left to GSPMD, with ZeRO-2's gradient split over
+    partial sums, which XLA reduces onto that split. Left to GSPMD, with ZeRO-2's gradient split over
     data x fsdp (``_shard_grad``), the scatter followed that split by vocabulary rows and gathered
     every token's id and gradient row onto every device: the global batch x d_model per step
     (tests/test_xla_at_scale.py)."""
@@ -587,7 +587,8 @@ class XLABackend(Backend):
                 m.__class__ = _WholeTableEmbedding      # as FSDP2's fully_shard swaps a module's class
                 m.table_sharding = (self.xs, self.mesh, self._specs[id(m.weight)])
             if isinstance(m, nn.Linear):
-                m.register_forward_pre_hook(lambda _, args, module=module: (constrain(args[0], module, False), *args[1:]))
+                m.register_forward_pre_hook(
+                    lambda _, args, module=module: (constrain(args[0], module, False), *args[1:]))
             if isinstance(m, (nn.Linear, nn.Embedding)):
                 m.register_forward_hook(lambda _, args, out, module=module: constrain(out, module, True))
         for block in getattr(model, "blocks", ()):
