@@ -379,8 +379,8 @@ def _two_graph_steps(forms: dict, x, args, dump: str) -> dict:
                 times[form].append(time.perf_counter() - t0)
     a, b = (forms[f][0] for f in list(forms)[:2])
     diff = max((p.cpu() - q.cpu()).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
-    return {"forms": {f: {**comms[f], "step_ms": 1e3 * statistics.median(times[f]), "compiled_while_timed": late[f]}
-                      for f in forms},
+    return {"forms": {f: {**comms[f], "step_ms": 1e3 * statistics.median(times[f]),
+                          "compiled_while_timed": late[f]} for f in forms},
             "max_weight_difference_after_all_steps": diff}
 
 
@@ -436,8 +436,9 @@ def _activations(args) -> dict:
     torch_xla.sync()
     out = _two_graph_steps(forms, _batch(backend, args), args, dump)
     ms = {f: v["step_ms"] for f, v in out["forms"].items()}
-    return {"d_model": args.d_model, "layers": args.layers, "devices": args.devices, "batch": args.batch * args.devices,
-            "seq": args.seq, "repeats": args.repeats, **out, "propagated_over_constrained": ms["propagated"] / ms["constrained"]}
+    return {"d_model": args.d_model, "layers": args.layers, "devices": args.devices,
+            "batch": args.batch * args.devices, "seq": args.seq, "repeats": args.repeats, **out,
+            "propagated_over_constrained": ms["propagated"] / ms["constrained"]}
 
 
 def main(argv=None) -> int:
@@ -452,7 +453,8 @@ def main(argv=None) -> int:
                     help="spmd: PJRT CPU devices, all on fsdp; zero: data 2 x fsdp the rest")
     ap.add_argument("--only", default="fsdp2,ddp,spmd,zero,activations",
                     help="sections, comma-separated: fsdp2, ddp, spmd, zero, activations")
-    ap.add_argument("--xla-here", choices=("spmd", "zero", "activations"), help=argparse.SUPPRESS)  # an XLA section's child
+    # an XLA section's child process
+    ap.add_argument("--xla-here", choices=("spmd", "zero", "activations"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.xla_here:
         print(json.dumps({"spmd": _spmd, "zero": _zero, "activations": _activations}[args.xla_here](args)))
