@@ -783,6 +783,8 @@ def test_activation_specs_follow_the_batch_and_each_weights_tp_split():
         assert activation_partition_spec(module, 3, output=False) == (batch, None, "tp" if in_tp else None), module
     assert activation_partition_spec("", 4, output=False) == (batch, None, None, None)   # a block's streams
     assert activation_partition_spec("tok_emb", 3, output=True) == (batch, None, None)
+    assert activation_partition_spec("wq", 1, output=False) == (None,)   # no batch dimension: whole
+
 
 def test_processes_agree_on_the_step_of_the_next_stop_decision(monkeypatch):
     """should_stop's one all-reduce also agrees on when to decide next: the slowest process's

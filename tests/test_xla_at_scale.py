@@ -458,7 +458,8 @@ dump = sys.argv[2]
 out = {}
 for name, over in {"data_fsdp": ["xla.mesh.data=2", "xla.mesh.fsdp=2"],
                    "fsdp_tp": ["xla.mesh.fsdp=2", "xla.mesh.tp=2"],
-                   "data_fsdp_scan": ["xla.mesh.data=2", "xla.mesh.fsdp=2", "xla.scan_layers=true"]}.items():
+                   "data_fsdp_scan": ["xla.mesh.data=2", "xla.mesh.fsdp=2", "xla.scan_layers=true"],
+                   "data_fsdp_loss_chunk": ["xla.mesh.data=2", "xla.mesh.fsdp=2", "model.loss_chunk=32"]}.items():
     cfg = load_config(sys.argv[1], ["xla.mode=spmd", *over])
     backend = XLABackend(cfg)
     torch.manual_seed(0)
@@ -473,9 +474,14 @@ for name, over in {"data_fsdp": ["xla.mesh.data=2", "xla.mesh.fsdp=2"],
     model(x, y).loss.backward()
     torch_xla.sync()
     text = "".join(open(f).read() for f in set(glob.glob(f"{dump}/*after_optimizations.txt")) - seen)
-    # every collective of the partitioned forward and backward: (kind, result shape on one device)
-    out[name] = re.findall(r"= \(?(\w+\[[\d,]*\])\S* (all-gather|all-reduce|all-to-all|collective-permute|"
-                           r"reduce-scatter)(?:-start)?\(", text)
+    # every collective of the partitioned forward and backward: (kind, each result's shape on one
+    # device; a tuple's every element, an asynchronous start's last: its result)
+    out[name] = []
+    for rtype, op in re.findall(r"^\s*(?:ROOT )?%?[\w.-]+ = (\([^()]*\)|\w+\[[\d,]*\]\S*) ([\w-]+)\(", text, re.M):
+        kind = op.removesuffix("-start")
+        if kind in ("all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter"):
+            shapes = re.findall(r"\w+\[[\d,]*\]", rtype)
+            out[name] += [(kind, shape) for shape in (shapes[-1:] if op.endswith("-start") else shapes)]
     backend.close_batches(batches)
 print("REPORT " + json.dumps(out))
 """
@@ -488,10 +494,11 @@ def test_spmd_activations_keep_the_batch_split(tmp_path, stdlib_data):
     or [1024, ...] on one device), with the Trainer's model and optimiser set-up. Left to GSPMD's
     propagation the weights' shardings won: the token ids were gathered at the embedding, every
     device ran the whole batch split by features and all-reduced partial products, all-to-alls
-    and permutes between the two layouts (228 such collectives at d_model 256, ~10x the bytes;
-    bench/optimizer.py --only activations). And with ZeRO-2's gradient split over data x fsdp,
-    the embedding gradient's scatter gathered every token's id and gradient row onto every device
-    (``_WholeTableEmbedding``)."""
+    and permutes between the two layouts (bench/optimizer.py --only activations, d_model 256: 373
+    collectives instead of 162, 8.6x the bytes). And with ZeRO-2's gradient split over data x
+    fsdp, the embedding gradient's scatter gathered every token's id and gradient row onto every
+    device (``_WholeTableEmbedding``). The chunked loss calls the LM head's weight directly (no
+    module hooks): checked too."""
     dump = tmp_path / "hlo"
     env = {**SPMD, "XLA_FLAGS": f"{SPMD.get('XLA_FLAGS', '')} --xla_dump_to={dump} --xla_dump_hlo_as_text"}
     cfg = tiny_config(tmp_path, stdlib_data, **{**SMALL, "model.d_model": 64, "model.vocab_size": 4096,
@@ -499,8 +506,48 @@ def test_spmd_activations_keep_the_batch_split(tmp_path, stdlib_data):
     out = script_report(ACTIVATION_LAYOUT, cfg, dump, env=env)
     for mesh, collectives in out.items():
         assert collectives, mesh  # the weights are sharded: their all-gathers at least
-        batch_sized = [(kind, shape) for shape, kind in collectives if re.search(r"\[(8,128|1024)\b", shape)]
+        batch_sized = [(kind, shape) for kind, shape in collectives if re.search(r"\[(8,128|1024)\b", shape)]
         assert not batch_sized, (mesh, batch_sized)
+
+
+ANNOTATION_CACHE = r"""
+import json, sys
+import torch, torch_xla
+import torch_xla.distributed.spmd as xs
+from model import NashMHC
+from training.config import load_config
+from training.optim import build_optimizer
+from training.xla_backend import XLABackend
+
+cfg = load_config(sys.argv[1], ["xla.mode=spmd", "xla.mesh.data=2", "xla.mesh.fsdp=2"])
+backend = XLABackend(cfg)
+model = backend.prepare_model(NashMHC(cfg.model), cfg)
+opt = build_optimizer(model, cfg.training, backend.adamw_factory())
+opt.init_state()
+backend.prepare_optimizer(opt)
+tokens = torch.randint(0, cfg.model.vocab_size, (8, 16))
+batches = backend.batches([(tokens, tokens)] * 4)
+sizes = []
+for x, y in batches:
+    model(x, y).loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    torch_xla.sync()
+    sizes.append(xs.Mesh.get_op_sharding.cache_info().currsize)
+backend.close_batches(batches)
+print("REPORT " + json.dumps(sizes))
+"""
+
+
+@pytest.mark.xla
+def test_spmd_annotations_do_not_grow_torch_xlas_mesh_cache(tmp_path, stdlib_data):
+    """Tracing a step annotates every activation again; with torch_xla's
+    mark_sharding_with_gradients each annotation rebuilt the mesh from a string and left a new
+    entry in Mesh.get_op_sharding's unbounded cache (here ~90 per step at 2 layers; host memory
+    without end over a run). The backend's annotations reuse its mesh: the cache stays the size it
+    had after the first step."""
+    sizes = script_report(ANNOTATION_CACHE, tiny_config(tmp_path, stdlib_data, **SMALL), env=SPMD)
+    assert len(sizes) == 4 and sizes[0] > 0 and len(set(sizes)) == 1, sizes
 
 
 @pytest.mark.xla

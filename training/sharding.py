@@ -39,11 +39,10 @@ def activation_partition_spec(module: str, ndim: int, output: bool) -> tuple:
     whole global batch on each device, split by features like the weights, and all-reduced their
     partial products (``bench/optimizer.py --only activations``).
     """
+    if ndim < 2:
+        return (None,) * ndim   # no batch dimension: whole
     tp = (module in COLUMN_PARALLEL and output) or (module in ROW_PARALLEL and not output)
-    spec = [("data", "fsdp")] + [None] * (ndim - 1)
-    if tp and ndim > 1:
-        spec[-1] = "tp"
-    return tuple(spec)
+    return (("data", "fsdp"),) + (None,) * (ndim - 2) + ("tp" if tp else None,)
 
 
 def state_partition_spec(spec: tuple | None, over_data: bool) -> tuple | None:
@@ -58,8 +57,8 @@ def state_partition_spec(spec: tuple | None, over_data: bool) -> tuple | None:
     fsdp before data: the piece a device keeps is then part of its own fsdp shard of the parameter
     (piece ``f * data + d`` of device (d, f), within shard f), so the update needs no other
     device's numbers. Split data-major, piece ``d * fsdp + f`` lies in another device's shard and
-    XLA moved it there and back (``bench/optimizer.py --only zero``: collective-permutes in the
-    update and 1.6x the collective bytes in the step).
+    XLA moved it there and back (``bench/optimizer.py --only zero``: 76 collective-permutes in the
+    update, twice its collective bytes).
     """
     if spec is None or not over_data:
         return spec

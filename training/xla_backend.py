@@ -270,33 +270,59 @@ class ScanBlocks:
         return carry[0], carry[1] / n
 
 
-class _WholeTableEmbedding(nn.Embedding):
-    """An SPMD embedding (``XLABackend._shard_activations``) whose lookup reads the whole table,
-    gathered over the mesh as FSDP gathers any weight, and whose table gradient is annotated with
-    the table's own split: each device scatters its own tokens' gradient rows into a table of
-    partial sums, which XLA reduces onto that split. Left to GSPMD, with ZeRO-2's gradient split over
-    data x fsdp (``_shard_grad``), the scatter followed that split by vocabulary rows and gathered
-    every token's id and gradient row onto every device: the global batch x d_model per step
-    (tests/test_xla_at_scale.py)."""
+# Shardings by key, for ``_annotated``: torch_xla's ``mark_sharding_with_gradients`` passes its
+# mesh as a string and rebuilds it at every call, and each rebuilt mesh stays in
+# ``Mesh.get_op_sharding``'s unbounded lru_cache (torch_xla 2.9): a new entry per annotation and
+# step, thousands per step at the 3B config. Keyed here, every call reuses the backend's mesh.
+_SHARDINGS: dict[str, tuple] = {}
 
-    table_sharding: tuple      # (torch_xla.distributed.spmd, the mesh, the table's partition spec)
+
+def _sharding_key(mesh, spec: tuple) -> str:
+    key = f"{id(mesh)}:{spec}"
+    _SHARDINGS.setdefault(key, (mesh, spec))
+    return key
+
+
+@torch.library.custom_op("nash_mhc::annotated", mutates_args=())
+def _annotated(t: torch.Tensor, key: str, grad_key: str) -> torch.Tensor:
+    """``t`` annotated with the sharding ``_SHARDINGS[key]`` for XLA's partitioner, and its
+    gradient with ``_SHARDINGS[grad_key]``. A custom op, as torch_xla's ``_aot_mark_sharding``,
+    so that scan's AOTAutograd trace keeps it."""
+    import torch_xla.distributed.spmd as xs
+
+    mesh, spec = _SHARDINGS[key]
+    return xs.annotate_custom_sharding(t.clone(), mesh, spec).global_tensor
+
+
+@_annotated.register_fake
+def _(t, key, grad_key):
+    return torch.empty_like(t)
+
+
+def _annotated_setup(ctx, inputs, output):
+    ctx.grad_key = inputs[2]
+
+
+_annotated.register_autograd(lambda ctx, g: (_annotated(g, ctx.grad_key, ctx.grad_key), None, None),
+                             setup_context=_annotated_setup)
+
+
+class _WholeTableEmbedding(nn.Embedding):
+    """An SPMD embedding (``XLABackend._shard_activations``, with ZeRO-2) whose lookup reads the
+    whole table, gathered over the mesh as FSDP gathers any weight, and whose table gradient is
+    annotated with the table's own split: each device scatters its own tokens' gradient rows into
+    a table of partial sums, which XLA reduces onto that split. Left to GSPMD, with ZeRO-2's
+    gradient split over data x fsdp (``_shard_grad``), the scatter followed that split by
+    vocabulary rows and gathered every token's id and gradient row onto every device: the global
+    batch x d_model per step (tests/test_xla_at_scale.py). The cost: one whole fp32 table of
+    partial gradient sums per device, reduced each micro-step."""
+
+    table_keys: tuple[str, str]      # ``_annotated``'s keys: the table replicated; its own split
 
     def forward(self, ids):
-        table = _WholeTable.apply(self.weight, *self.table_sharding)
+        table = _annotated(self.weight, *self.table_keys)
         return F.embedding(ids, table, self.padding_idx, self.max_norm, self.norm_type,
                            self.scale_grad_by_freq, self.sparse)
-
-
-class _WholeTable(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, table, xs, mesh, spec):
-        ctx.sharding = (xs, mesh, spec)
-        return xs.annotate_custom_sharding(table.clone(), mesh, (None,) * table.ndim).global_tensor
-
-    @staticmethod
-    def backward(ctx, g):
-        xs, mesh, spec = ctx.sharding
-        return xs.annotate_custom_sharding(g.clone(), mesh, spec).global_tensor, None, None, None
 
 
 class SinkhornLoop:
@@ -573,19 +599,19 @@ class XLABackend(Backend):
     def _shard_activations(self, model: nn.Module) -> None:
         """Constrain the activations into and out of every Linear (mHC's projections too), out of
         the embedding and into and out of every block to the batch's sharding, forward and
-        backward (``activation_partition_spec``; torch_xla's ``mark_sharding_with_gradients``, a
-        custom op that scan's AOTAutograd trace keeps), and look tokens up in the embedding's
-        whole table (``_WholeTableEmbedding``). bench/optimizer.py ``--only activations``, data 2
+        backward (``activation_partition_spec``, ``_annotated``), and with ZeRO-2 look tokens up
+        in the embedding's whole table (``_WholeTableEmbedding``). bench/optimizer.py ``--only activations``, data 2
         x fsdp 2: see the README's "Compilation and host syncs on XLA"."""
         def constrain(t: torch.Tensor, module: str, output: bool) -> torch.Tensor:
-            spec = activation_partition_spec(module, t.ndim, output)
-            return self.xs.mark_sharding_with_gradients(t, self.mesh, spec)
+            key = _sharding_key(self.mesh, activation_partition_spec(module, t.ndim, output))
+            return _annotated(t, key, key)
 
         for name, m in model.named_modules():
             module = name.rsplit(".", 1)[-1]
-            if isinstance(m, nn.Embedding) and id(m.weight) in self._specs:
-                m.__class__ = _WholeTableEmbedding      # as FSDP2's fully_shard swaps a module's class
-                m.table_sharding = (self.xs, self.mesh, self._specs[id(m.weight)])
+            if type(m) is nn.Embedding and id(m.weight) in self._specs and self._over_data:
+                m.__class__ = _WholeTableEmbedding      # its forward only (FSDP2's fully_shard swaps classes too)
+                m.table_keys = (_sharding_key(self.mesh, (None,) * m.weight.ndim),
+                                _sharding_key(self.mesh, self._specs[id(m.weight)]))
             if isinstance(m, nn.Linear):
                 m.register_forward_pre_hook(
                     lambda _, args, module=module: (constrain(args[0], module, False), *args[1:]))
