@@ -450,7 +450,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--devices", type=int, default=4,
-                    help="spmd: PJRT CPU devices, all on fsdp; zero: data 2 x fsdp the rest")
+                    help="spmd: PJRT CPU devices, all on fsdp; zero and activations: data 2 x fsdp the rest")
     ap.add_argument("--only", default="fsdp2,ddp,spmd,zero,activations",
                     help="sections, comma-separated: fsdp2, ddp, spmd, zero, activations")
     # an XLA section's child process
