@@ -255,19 +255,27 @@ _BYTES = {"f64": 8, "s64": 8, "u64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2,
           "s8": 1, "u8": 1, "pred": 1}
 
 
+def collective_results(text: str) -> list[tuple[str, list[tuple[str, str]]]]:
+    """Each collective of an HLO dump ``text`` after optimisation: its kind and its results on one
+    device, ``(dtype, dims)`` each (an asynchronous pair once, at its start, by its last result)."""
+    found = []
+    for rtype, op in _HLO_OP.findall(text):
+        kind = op.removesuffix("-start")
+        if kind in _COLLECTIVES:
+            arrays = _ARRAY.findall(rtype)
+            found.append((kind, arrays[-1:] if op.endswith("-start") else arrays))
+    return found
+
+
 def _collectives(texts) -> dict:
     """The collectives of HLO dumps ``texts`` after optimisation, by kind, and the bytes of their
-    results on one device (an asynchronous pair counted once, at its start, by its last result)."""
+    results on one device (``collective_results``)."""
     found: Counter = Counter()
     nbytes = 0
     for text in texts:
-        for rtype, op in _HLO_OP.findall(text):
-            kind = op[:-len("-start")] if op.endswith("-start") else op
-            if kind not in _COLLECTIVES:
-                continue
+        for kind, arrays in collective_results(text):
             found[kind] += 1
-            arrays = _ARRAY.findall(rtype)
-            for dtype, dims in arrays[-1:] if op.endswith("-start") else arrays:
+            for dtype, dims in arrays:
                 n = 1
                 for d in filter(None, dims.split(",")):
                     n *= int(d)
@@ -291,11 +299,6 @@ def _xla_backend(overrides: list[str]):
 
 def _spmd(args) -> dict:
     """The spmd section, in this process (PJRT_DEVICE=CPU, CPU_NUM_DEVICES and XLA_FLAGS set by main)."""
-    import glob
-
-    import torch_xla
-    import torch_xla.core.xla_model as xm
-
     backend, cfg, dump = _xla_backend(["training.optimizer=muon", "xla.mesh.data=1", f"xla.mesh.fsdp={args.devices}"])
     forms = {}
     for form in ("by_matrix", "per_product"):
@@ -305,52 +308,50 @@ def _spmd(args) -> dict:
         if form == "per_product":
             opt.lay_out_by_matrix = None
         forms[form] = (model, opt)
-    x = _batch(backend, args)
-    times, comms, late = {f: [] for f in forms}, {}, {f: 0 for f in forms}
     # the second step compiles a graph of its own too: the first one also creates the optimiser
     # state (no sync after init_state, which the Trainer has), and the parameters and state it
     # updates without a sharding annotation come back annotated as replicated: other inputs
-    warmup = 2
-    for r in range(warmup + args.repeats):
-        for form, (model, opt) in forms.items():
-            seen = set(glob.glob(f"{dump}/*after_optimizations.txt"))
-            t0 = time.perf_counter()
-            opt.zero_grad(set_to_none=True)
-            model(x, x).loss.backward()
-            opt.step()
-            torch_xla.sync()
-            xm.wait_device_ops()
-            elapsed = time.perf_counter() - t0
-            new = set(glob.glob(f"{dump}/*after_optimizations.txt")) - seen
-            if r < warmup:
-                if new:   # the step's graph compiled here: the last one compiled is the step's
-                    comms[form] = _collectives(Path(f).read_text() for f in new)
-            else:
-                times[form].append(elapsed)
-                late[form] += bool(new)
-    a, b = (forms[f][0] for f in forms)
-    diff = max((p.cpu() - q.cpu()).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
-    median = {f: statistics.median(times[f]) for f in forms}
+    out = _timed_steps(forms, _batch(backend, args), args, dump, {"step": _whole_step})
+    ms = {f: v["step_ms"] for f, v in out["forms"].items()}
     return {"d_model": args.d_model, "layers": args.layers, "devices": args.devices, "repeats": args.repeats,
-            "forms": {f: {**comms[f], "step_ms": 1e3 * median[f], "compiled_while_timed": late[f]}
-                      for f in forms},
-            "per_product_over_by_matrix": median["per_product"] / median["by_matrix"],
-            "max_weight_difference_after_all_steps": diff}
+            "forms": {f: {**v["step"], "step_ms": v["step_ms"], "compiled_while_timed": v["compiled_while_timed"]}
+                      for f, v in out["forms"].items()},
+            "per_product_over_by_matrix": ms["per_product"] / ms["by_matrix"],
+            "max_weight_difference_after_all_steps": out["max_weight_difference_after_all_steps"]}
 
 
 def _batch(backend, args):
     """The benchmark's token batch on the device, split over data x fsdp as train_xla.py's loader
     splits it (``XLABackend.batches``)."""
+    from training.sharding import BATCH
     x = torch.randint(0, model_config(args).vocab_size, (args.batch * args.devices, args.seq),
                       generator=torch.Generator().manual_seed(0)).to(backend.device)
-    backend.xs.mark_sharding(x, backend.mesh, (("data", "fsdp"), None))
+    backend.xs.mark_sharding(x, backend.mesh, (BATCH, None))
     return x
 
 
-def _two_graph_steps(forms: dict, x, args, dump: str) -> dict:
-    """``forms`` ({name: (model, optimiser)}) each taking the Trainer's two graphs per step
-    (forward and backward; the update), interleaved, two untimed: per form and graph the
-    collectives (the graph compiled in the untimed steps), the median step time, the graphs
+def _whole_step(model, opt, x):             # the spmd section: a training step as one graph
+    opt.zero_grad(set_to_none=True)
+    model(x, x).loss.backward()
+    opt.step()
+
+
+def _forward_backward(model, opt, x):       # the Trainer's micro-step graph
+    model(x, x).loss.backward()
+
+
+def _update(model, opt, x):                 # the Trainer's update graph
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+TRAINER_GRAPHS = {"forward_backward": _forward_backward, "update": _update}
+
+
+def _timed_steps(forms: dict, x, args, dump: str, graphs: dict) -> dict:
+    """``forms`` ({name: (model, optimiser)}) each taking a step as ``graphs`` ({name: fn(model,
+    opt, x)}, each traced and synced: one graph each), interleaved, two untimed: per form and graph
+    the collectives (the graph compiled in the untimed steps), the median step time, the graphs
     compiled while timed; the largest weight difference between the first two forms at the end."""
     import glob
 
@@ -362,16 +363,12 @@ def _two_graph_steps(forms: dict, x, args, dump: str) -> dict:
     for r in range(warmup + args.repeats):
         for form, (model, opt) in forms.items():
             t0 = time.perf_counter()
-            for graph in ("forward_backward", "update"):
+            for graph, step in graphs.items():
                 seen = set(glob.glob(f"{dump}/*after_optimizations.txt"))
-                if graph == "forward_backward":
-                    model(x, x).loss.backward()
-                else:
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
+                step(model, opt, x)
                 torch_xla.sync()
                 new = set(glob.glob(f"{dump}/*after_optimizations.txt")) - seen
-                if r < warmup and new:
+                if r < warmup and new:   # compiled here: the last one compiled is this graph's
                     comms[form][graph] = _collectives(Path(f).read_text() for f in new)
                 late[form] += r >= warmup and bool(new)
             xm.wait_device_ops()
@@ -409,7 +406,7 @@ def _zero(args) -> dict:
             xb.state_partition_spec = ours
         forms[form] = (model, opt)
     torch_xla.sync()
-    out = _two_graph_steps(forms, _batch(backend, args), args, dump)
+    out = _timed_steps(forms, _batch(backend, args), args, dump, TRAINER_GRAPHS)
     ms = {f: v["step_ms"] for f, v in out["forms"].items()}
     return {"d_model": args.d_model, "layers": args.layers, "devices": args.devices, "repeats": args.repeats,
             **out, "data_major_over_fsdp_major": ms["data_major"] / ms["fsdp_major"]}
@@ -434,7 +431,7 @@ def _activations(args) -> dict:
         forms[form] = (model, opt)
     del backend._shard_activations     # the class's again
     torch_xla.sync()
-    out = _two_graph_steps(forms, _batch(backend, args), args, dump)
+    out = _timed_steps(forms, _batch(backend, args), args, dump, TRAINER_GRAPHS)
     ms = {f: v["step_ms"] for f, v in out["forms"].items()}
     return {"d_model": args.d_model, "layers": args.layers, "devices": args.devices,
             "batch": args.batch * args.devices, "seq": args.seq, "repeats": args.repeats, **out,

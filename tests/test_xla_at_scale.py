@@ -447,8 +447,9 @@ def _transfers_per_line(rows):
 
 
 ACTIVATION_LAYOUT = r"""
-import glob, json, os, re, sys
+import glob, json, sys
 import torch, torch_xla
+from bench.optimizer import collective_results
 from model import NashMHC
 from training.config import load_config
 from training.optim import build_optimizer
@@ -474,14 +475,8 @@ for name, over in {"data_fsdp": ["xla.mesh.data=2", "xla.mesh.fsdp=2"],
     model(x, y).loss.backward()
     torch_xla.sync()
     text = "".join(open(f).read() for f in set(glob.glob(f"{dump}/*after_optimizations.txt")) - seen)
-    # every collective of the partitioned forward and backward: (kind, each result's shape on one
-    # device; a tuple's every element, an asynchronous start's last: its result)
-    out[name] = []
-    for rtype, op in re.findall(r"^\s*(?:ROOT )?%?[\w.-]+ = (\([^()]*\)|\w+\[[\d,]*\]\S*) ([\w-]+)\(", text, re.M):
-        kind = op.removesuffix("-start")
-        if kind in ("all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter"):
-            shapes = re.findall(r"\w+\[[\d,]*\]", rtype)
-            out[name] += [(kind, shape) for shape in (shapes[-1:] if op.endswith("-start") else shapes)]
+    # every collective of the partitioned forward and backward: (kind, each result's shape on one device)
+    out[name] = [(kind, f"{dtype}[{dims}]") for kind, arrays in collective_results(text) for dtype, dims in arrays]
     backend.close_batches(batches)
 print("REPORT " + json.dumps(out))
 """

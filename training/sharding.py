@@ -11,6 +11,8 @@ from __future__ import annotations
 # features split over tp), by module name (model.py's naming contract).
 COLUMN_PARALLEL = ("wq", "wk", "wv", "w1", "w3")
 ROW_PARALLEL = ("wo", "w2")
+# The mesh axes the batch, and with it every activation's batch dimension, is split over.
+BATCH = ("data", "fsdp")
 
 
 def param_partition_spec(name: str, p) -> tuple | None:
@@ -42,7 +44,7 @@ def activation_partition_spec(module: str, ndim: int, output: bool) -> tuple:
     if ndim < 2:
         return (None,) * ndim   # no batch dimension: whole
     tp = (module in COLUMN_PARALLEL and output) or (module in ROW_PARALLEL and not output)
-    return (("data", "fsdp"),) + (None,) * (ndim - 2) + ("tp" if tp else None,)
+    return (BATCH,) + (None,) * (ndim - 2) + ("tp" if tp else None,)
 
 
 def state_partition_spec(spec: tuple | None, over_data: bool) -> tuple | None:

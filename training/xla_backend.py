@@ -51,7 +51,7 @@ from .config import ConfigError, check_xla
 from .distributed import HostGroup, group_timeout, init_gloo, new_gloo_group
 from .monitor import peak_flops_for
 from .optim import AdamW, Muon
-from .sharding import activation_partition_spec, param_partition_spec, state_partition_spec
+from .sharding import BATCH, activation_partition_spec, param_partition_spec, state_partition_spec
 
 
 class XLAAdamW(AdamW):
@@ -674,7 +674,7 @@ class XLABackend(Backend):
     def batches(self, iterable):
         kw = {}
         if self.spmd:
-            kw["input_sharding"] = self.xs.ShardingSpec(self.mesh, (("data", "fsdp"), None))
+            kw["input_sharding"] = self.xs.ShardingSpec(self.mesh, (BATCH, None))
         return _DeviceBatches(iterable, self.device, **kw)
 
     def close_batches(self, batches) -> None:
