@@ -255,10 +255,12 @@ class _SinkhornIterations(torch.autograd.Function):
 def scale_gram(outs) -> torch.Tensor:
     """``G [..., L, L]``, ``G_lm = mean_d(o_l o_m)``, of the scale outputs: a list of L tensors
     ``[..., D]``, pair by pair (in eager PyTorch on CPU 4x faster than a batch of tiny
-    ``[L, D] @ [D, L]`` products), or one ``[..., L, D]``, in that batch of products (for a fusing
-    compiler: one op instead of L (L + 1) / 2 products and reductions in its graph)."""
+    ``[L, D] @ [D, L]`` products), or one ``[..., L, D]`` (for XLA: one broadcast product and one
+    reduction in its graph instead of L (L + 1) / 2 of each; element-wise, not a batch of
+    products, whose batch would merge the token and head dimensions and make GSPMD gather the
+    heads split over tp)."""
     if isinstance(outs, torch.Tensor):
-        return outs @ outs.transpose(-2, -1) / outs.shape[-1]
+        return (outs.unsqueeze(-2) * outs.unsqueeze(-3)).sum(dim=-1) / outs.shape[-1]
     return torch.stack([torch.stack(row, dim=-1) for row in scale_gram_pairs(outs)], dim=-2)
 
 
@@ -304,14 +306,14 @@ def nash_rounds(gram: torch.Tensor, start: torch.Tensor, hidden: torch.Tensor, t
     ``w = softmax((2 (G w)_l - G_ll) / tau)`` over the valid scales: the same weights without the
     shared term. No distance is formed, so none can come out negative by cancellation (the clamp
     that ``nash_distances`` needs has nothing to do here). What does not change between rounds
-    (``2 / tau``, ``hidden - G_ll / tau``) is computed once; ``G w`` is a batch of [L, L] @ [L, 1]
-    products (as fast as the broadcast product and sum in eager PyTorch, and one op in a graph).
+    (``2 / tau``, ``hidden - G_ll / tau``) is computed once; ``G w`` is a broadcast product and a
+    sum over the last dim (element-wise work over the tokens and heads, as ``scale_gram``).
     """
     gain = 2.0 / tau
     base = hidden.to(gram.dtype) - gram.diagonal(dim1=-2, dim2=-1) / tau
     w = start.to(gram.dtype)
     for _ in range(iters):
-        w = torch.softmax((gram @ w.unsqueeze(-1)).squeeze(-1) * gain + base, dim=-1)   # (G w)_l
+        w = torch.softmax((gram * w.unsqueeze(-2)).sum(dim=-1) * gain + base, dim=-1)   # (G w)_l
     return w
 
 
@@ -399,8 +401,11 @@ def attend(q, k, v, bias=None):
 
     On an XLA device SDPA is no kernel but PyTorch's composite math path (scale q and k, turn the
     mask, repeat every key/value head G times, a softmax that zeroes fully hidden rows), so there
-    the same formula is written out: the queries of a key/value head are one batch of G * T rows,
-    which keeps the graph of every attention call small (about a third of SDPA's).
+    the same formula is written out, which keeps the graph of every attention call small (about a
+    third of SDPA's): the G query heads of a key/value head stay a dimension of their own,
+    ``[B, Hkv, G, T, D]``, in einsums that torch_xla lowers to single products with B and Hkv as
+    batch dimensions, so heads split over tp stay split. Merged with the tokens into G * T rows of
+    one batched product (before), they had GSPMD gather them (bench/optimizer.py --only tp).
     """
     if q.device.type != "xla":
         return F.scaled_dot_product_attention(q, k, v, attn_mask=None if bias is None else bias.to(q.dtype),
@@ -409,9 +414,9 @@ def attend(q, k, v, bias=None):
     Hkv, S = k.shape[1], k.shape[2]
     if bias is None:
         bias = causal_bias(T, q.device)
-    s = (q * D ** -0.5).reshape(B, Hkv, H // Hkv * T, D) @ k.transpose(-2, -1)
+    s = torch.einsum("bhgtd,bhsd->bhgts", (q * D ** -0.5).view(B, Hkv, H // Hkv, T, D), k)
     p = torch.softmax(s.view(B, H, T, S) + bias, dim=-1).to(v.dtype)
-    return (p.view(B, Hkv, H // Hkv * T, S) @ v).view(B, H, T, D)
+    return torch.einsum("bhgts,bhsd->bhgtd", p.view(B, Hkv, H // Hkv, T, S), v).view(B, H, T, D)
 
 
 def causal_bias(T: int, device=None) -> torch.Tensor:
@@ -562,8 +567,8 @@ class NashAttention(nn.Module):
         several hundredths when the Gram products are rounded to bf16."""
         with torch.autocast(device_type=outs[0].device.type, enabled=False):
             outs32 = [o.float() for o in outs]
-            # On XLA one [L, D] tensor per token: batched products, a much smaller graph. Not under
-            # torch.compile: its step got slower with them (bench/model.py: nash-only 1.21x -> 1.54x).
+            # On XLA one [L, D] tensor per token: a much smaller graph. Not under torch.compile:
+            # its step got slower with it (bench/model.py: nash-only 1.21x -> 1.54x).
             if outs32[0].device.type == "xla":
                 outs32 = torch.stack(outs32, dim=-2)                  # [B, H, T, L, D]
             if self.aggregation == "nash" and isinstance(outs32, torch.Tensor):
@@ -577,7 +582,7 @@ class NashAttention(nn.Module):
             else:
                 w = start
             if isinstance(outs32, torch.Tensor):
-                o = (w.unsqueeze(-2) @ outs32).squeeze(-2).to(outs[0].dtype)
+                o = (w.unsqueeze(-1) * outs32).sum(dim=-2).to(outs[0].dtype)
             else:
                 o = sum(w[..., l, None] * o_l for l, o_l in enumerate(outs32)).to(outs[0].dtype)
             with torch.no_grad():
