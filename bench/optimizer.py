@@ -6,6 +6,7 @@ SPMD's activations, annotated with the batch's split or left to XLA's propagatio
     .venv/bin/python bench/optimizer.py --only spmd --d-model 256 --layers 4 --repeats 5
     .venv/bin/python bench/optimizer.py --only zero --d-model 256 --layers 4 --repeats 5
     .venv/bin/python bench/optimizer.py --only activations,zero --d-model 256 --layers 4 --batch 2 --seq 256 --repeats 5
+    .venv/bin/python bench/optimizer.py --only tp --d-model 256 --layers 4 --batch 2 --seq 256 --model-root /tmp/before
 
 fsdp2:
 
@@ -61,11 +62,17 @@ activations into and out of every Linear, out of the embedding and around every 
 with the batch's split, ``XLABackend._shard_activations``) against ``propagated`` (no annotation:
 GSPMD's propagation chooses). Measured as the zero section's forms.
 
+tp: train_xla.py's backend on an fsdp ``--devices / 2`` x tp 2 mesh (Megatron's layout: attention
+heads and FFN features split over tp), AdamW, the Trainer's two graphs per step: ``this`` (this
+checkout's model) and, with ``--model-root DIR``, ``root`` (DIR's model.py, loaded as bench/model.py
+loads it), measured as the zero section's forms: what a change to the model does to the
+partitioned graph.
+
 The XLA sections' batch (``--batch`` per device x ``--devices`` sequences of ``--seq`` tokens) is
 split over data x fsdp, as train_xla.py's loader splits it (their figures before the activations
 section came from a batch every device held whole).
 
-Prints one JSON object: ``{"fsdp2": ..., "ddp": ..., "spmd": ..., "zero": ..., "activations": ...}``.
+Prints one JSON object: ``{"fsdp2": ..., "ddp": ..., "spmd": ..., "zero": ..., "activations": ..., "tp": ...}``.
 """
 from __future__ import annotations
 
@@ -89,6 +96,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils._pytree import tree_leaves  # noqa: E402
 
 FORMS = ("by_matrix", "gathered", "per_product", "tensor_op_adamw")
+XLA_SECTIONS = ("spmd", "zero", "activations", "tp")
 
 
 class Collectives(TorchDispatchMode):
@@ -118,20 +126,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def model_config(args):
-    """The benchmark's model: ``--d-model`` wide, ``--layers`` deep, heads of 64, kv heads of 128."""
-    from model import ModelConfig
-    return ModelConfig(vocab_size=4096, d_model=args.d_model, n_layers=args.layers,
+def model_config(args, module=None):
+    """The benchmark's model: ``--d-model`` wide, ``--layers`` deep, heads of 64, kv heads of 128
+    (``module``: the model.py to take the config class from; this checkout's by default)."""
+    if module is None:
+        import model as module
+    return module.ModelConfig(vocab_size=4096, d_model=args.d_model, n_layers=args.layers,
                        n_heads=max(1, args.d_model // 64), n_kv_heads=max(1, args.d_model // 128),
                        max_seq_len=args.seq)
 
 
-def model_and_optimizer(backend, cfg, args):
-    """The benchmark's model (the same weights every call) on ``backend`` and its Muon."""
-    from model import NashMHC
+def model_and_optimizer(backend, cfg, args, module=None):
+    """The benchmark's model (the same weights every call; ``module``'s NashMHC, this checkout's
+    by default) on ``backend`` and its optimiser."""
     from training.optim import build_optimizer
+    if module is None:
+        import model as module
     torch.manual_seed(0)
-    model = backend.prepare_model(NashMHC(model_config(args)), cfg)
+    model = backend.prepare_model(module.NashMHC(model_config(args, module)), cfg)
     return model, build_optimizer(model, cfg.training, backend.adamw_factory())
 
 
@@ -374,11 +386,13 @@ def _timed_steps(forms: dict, x, args, dump: str, graphs: dict) -> dict:
             xm.wait_device_ops()
             if r >= warmup:
                 times[form].append(time.perf_counter() - t0)
-    a, b = (forms[f][0] for f in list(forms)[:2])
-    diff = max((p.cpu() - q.cpu()).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
-    return {"forms": {f: {**comms[f], "step_ms": 1e3 * statistics.median(times[f]),
-                          "compiled_while_timed": late[f]} for f in forms},
-            "max_weight_difference_after_all_steps": diff}
+    out = {"forms": {f: {**comms[f], "step_ms": 1e3 * statistics.median(times[f]),
+                         "compiled_while_timed": late[f]} for f in forms}}
+    if len(forms) > 1:
+        a, b = (forms[f][0] for f in list(forms)[:2])
+        out["max_weight_difference_after_all_steps"] = max(
+            (p.cpu() - q.cpu()).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
+    return out
 
 
 def _zero(args) -> dict:
@@ -438,6 +452,32 @@ def _activations(args) -> dict:
             "propagated_over_constrained": ms["propagated"] / ms["constrained"]}
 
 
+def _tp(args) -> dict:
+    """The tp section, in this process (PJRT_DEVICE=CPU, CPU_NUM_DEVICES and XLA_FLAGS set by main)."""
+    import torch_xla
+
+    if args.devices % 2:
+        sys.exit(f"bench/optimizer.py: --only tp needs an even --devices (fsdp devices/2 x tp 2), got {args.devices}")
+    backend, cfg, dump = _xla_backend(["training.optimizer=adamw", f"xla.mesh.fsdp={args.devices // 2}",
+                                       "xla.mesh.tp=2"])
+    modules = {"this": None}
+    if args.model_root:
+        from bench.model import model_module
+        modules["root"] = model_module(args, "root:nash-mhc")[0]
+    forms = {}
+    for form, module in modules.items():
+        model, opt = model_and_optimizer(backend, cfg, args, module)
+        opt.init_state()
+        backend.prepare_optimizer(opt)
+        forms[form] = (model, opt)
+    torch_xla.sync()
+    out = _timed_steps(forms, _batch(backend, args), args, dump, TRAINER_GRAPHS)
+    ms = {f: v["step_ms"] for f, v in out["forms"].items()}
+    return {"d_model": args.d_model, "layers": args.layers, "devices": args.devices, "model_root": args.model_root,
+            "batch": args.batch * args.devices, "seq": args.seq, "repeats": args.repeats, **out,
+            **({"root_over_this": ms["root"] / ms["this"]} if "root" in ms else {})}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--d-model", type=int, default=512)
@@ -447,14 +487,17 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--devices", type=int, default=4,
-                    help="spmd: PJRT CPU devices, all on fsdp; zero and activations: data 2 x fsdp the rest")
-    ap.add_argument("--only", default="fsdp2,ddp,spmd,zero,activations",
-                    help="sections, comma-separated: fsdp2, ddp, spmd, zero, activations")
+                    help="spmd: PJRT CPU devices, all on fsdp; zero and activations: data 2 x fsdp the rest; "
+                         "tp: fsdp the rest x tp 2")
+    ap.add_argument("--only", default="fsdp2,ddp,spmd,zero,activations,tp",
+                    help="sections, comma-separated: fsdp2, ddp, spmd, zero, activations, tp")
+    ap.add_argument("--model-root", metavar="DIR",
+                    help="tp: also another checkout's model.py (as bench/model.py --model-root), side by side")
     # an XLA section's child process
-    ap.add_argument("--xla-here", choices=("spmd", "zero", "activations"), help=argparse.SUPPRESS)
+    ap.add_argument("--xla-here", choices=XLA_SECTIONS, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.xla_here:
-        print(json.dumps({"spmd": _spmd, "zero": _zero, "activations": _activations}[args.xla_here](args)))
+        print(json.dumps({"spmd": _spmd, "zero": _zero, "activations": _activations, "tp": _tp}[args.xla_here](args)))
         return 0
     import subprocess
     import tempfile
@@ -468,7 +511,7 @@ def main(argv=None) -> int:
             out = os.path.join(tmp, "ddp.json")
             mp.spawn(_ddp_worker, args=(args.procs, _free_port(), args, out), nprocs=args.procs)
             result["ddp"] = json.loads(Path(out).read_text())
-        for section in ("spmd", "zero", "activations"):
+        for section in XLA_SECTIONS:
             if section not in args.only.split(","):
                 continue
             env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(args.devices),
