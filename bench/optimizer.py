@@ -66,7 +66,8 @@ tp: train_xla.py's backend on an fsdp ``--devices / 2`` x tp 2 mesh (Megatron's 
 heads and FFN features split over tp), AdamW, the Trainer's two graphs per step: ``this`` (this
 checkout's model) and, with ``--model-root DIR``, ``root`` (DIR's model.py, loaded as bench/model.py
 loads it), measured as the zero section's forms: what a change to the model does to the
-partitioned graph.
+partitioned graph. (XLA compiles a graph once: a root whose model traces to the same graph as
+this checkout's reports no collectives of its own.)
 
 The XLA sections' batch (``--batch`` per device x ``--devices`` sequences of ``--seq`` tokens) is
 split over data x fsdp, as train_xla.py's loader splits it (their figures before the activations

@@ -564,15 +564,17 @@ def test_bench_optimizer_fsdp2_and_ddp_sections_run_as_written():
 
 @pytest.mark.xla
 def test_zero2_state_lies_within_each_devices_parameter_shard_and_activations_keep_the_batch():
-    """`bench/optimizer.py --only zero,activations` at a tiny shape (data 2 x fsdp 2 PJRT CPU
+    """`bench/optimizer.py --only zero,activations,tp` at a tiny shape (data 2 x fsdp 2 PJRT CPU
     devices). zero: with the ZeRO-2 state split fsdp-major (training/sharding.py), the update's
     only collectives are the all-gathers of the updated shards over data; split data-major (as
     before), XLA moves each state piece to its parameter shard and back (collective-permutes) for
     twice the update's bytes; the forward and backward deliver no more bytes.
     activations: annotated with the batch's split, the forward and backward move weights only
     (all-gathers and gradient all-reduces); left to propagation, activations change layout
-    (all-to-alls, permutes) and the collectives deliver more bytes."""
-    r = subprocess.run([sys.executable, "bench/optimizer.py", "--only", "zero,activations", "--d-model", "64",
+    (all-to-alls, permutes) and the collectives deliver more bytes.
+    tp (fsdp 2 x tp 2, no --model-root): this checkout's model alone, its graphs compiled before
+    the timed steps."""
+    r = subprocess.run([sys.executable, "bench/optimizer.py", "--only", "zero,activations,tp", "--d-model", "64",
                         "--layers", "2", "--repeats", "1"], cwd=ROOT, env=ENV, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -589,3 +591,6 @@ def test_zero2_state_lies_within_each_devices_parameter_shard_and_activations_ke
     assert set(constrained["by_kind"]) <= {"all-gather", "all-reduce", "reduce-scatter"}, constrained
     assert {"all-to-all", "collective-permute"} & set(propagated["by_kind"]), propagated
     assert constrained["result_bytes_per_device"] < propagated["result_bytes_per_device"]
+    assert list(res["tp"]["forms"]) == ["this"] and "root_over_this" not in res["tp"]
+    this = res["tp"]["forms"]["this"]
+    assert this[fb]["by_kind"]["all-reduce"] > 0 and this["compiled_while_timed"] == 0   # tp's partial sums
