@@ -390,6 +390,36 @@ def apply_rope(x, cos, sin):
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
+@torch.library.custom_op("nash_mhc::einsum", mutates_args=())
+def opaque_einsum(equation: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``torch.einsum(equation, a, b)`` as one opaque op. AOTAutograd (torch_xla's ``scan``)
+    decomposes an einsum into ``bmm``, whose single batch dimension merges all of the operands'
+    (batch and heads), and a split of two of them cannot survive that merge; kept whole until it
+    runs, the einsum reaches torch_xla's own lowering, one product with every batch dimension
+    its own. Its backward is two more of it."""
+    return torch.einsum(equation, a, b)
+
+
+@opaque_einsum.register_fake
+def _(equation, a, b):
+    return torch.einsum(equation, a, b)
+
+
+def _opaque_einsum_setup(ctx, inputs, output):
+    ctx.equation = inputs[0]
+    ctx.save_for_backward(inputs[1], inputs[2])
+
+
+def _opaque_einsum_backward(ctx, grad):
+    (ins, out), (a, b) = ctx.equation.split("->"), ctx.saved_tensors
+    x, y = ins.split(",")
+    return (None, opaque_einsum(f"{out},{y}->{x}", grad, b) if ctx.needs_input_grad[1] else None,
+            opaque_einsum(f"{x},{out}->{y}", a, grad) if ctx.needs_input_grad[2] else None)
+
+
+opaque_einsum.register_autograd(_opaque_einsum_backward, setup_context=_opaque_einsum_setup)
+
+
 def attend(q, k, v, bias=None):
     """``softmax(q k^T / sqrt(D) + bias) v``, grouped-query.
 
@@ -414,9 +444,9 @@ def attend(q, k, v, bias=None):
     Hkv, S = k.shape[1], k.shape[2]
     if bias is None:
         bias = causal_bias(T, q.device)
-    s = torch.einsum("bhgtd,bhsd->bhgts", (q * D ** -0.5).view(B, Hkv, H // Hkv, T, D), k)
+    s = opaque_einsum("bhgtd,bhsd->bhgts", (q * D ** -0.5).view(B, Hkv, H // Hkv, T, D), k)
     p = torch.softmax(s.view(B, H, T, S) + bias, dim=-1).to(v.dtype)
-    return torch.einsum("bhgts,bhsd->bhgtd", p.view(B, Hkv, H // Hkv, T, S), v).view(B, H, T, D)
+    return opaque_einsum("bhgts,bhsd->bhgtd", p.view(B, Hkv, H // Hkv, T, S), v).view(B, H, T, D)
 
 
 def causal_bias(T: int, device=None) -> torch.Tensor:
@@ -774,6 +804,10 @@ class HyperConnection(nn.Module):
         self.b_post = nn.Parameter(torch.empty(n))
         self.b_res = nn.Parameter(torch.empty(self.n_res))      # flat: every no-decay parameter is < 2-D
         self.sinkhorn_iterate = None   # sinkhorn_knopp's ``iterate``: the XLA backend may set it
+        # what the XLA backend sets in SPMD: a function that annotates the coefficients' logits
+        # with the batch's split (``XLABackend._shard_activations``). Left to GSPMD, in a scanned
+        # block on a tp mesh the logits came out split over tp, and the streams with them.
+        self.annotate_logits = None
         # alpha spread over the 2n + n_res logits (row k: 1 on gate k's logits), so the three gates
         # and biases are one multiply-add: a third of the ops, and of their gradient reductions
         self.register_buffer("gate_spread", torch.empty(3, 2 * n + self.n_res), persistent=False)
@@ -813,6 +847,8 @@ class HyperConnection(nn.Module):
             z = self.phi(h.flatten(-2))
             bias = torch.cat([self.b_pre, self.b_post, self.b_res]).float()
             z = z * (self.alpha.float() @ self.gate_spread.float()) + bias
+            if self.annotate_logits is not None:
+                z = self.annotate_logits(z)
             gates, res = z.split([2 * n, self.n_res], dim=-1)   # split: its gradient is one concatenation
             h_pre, h_post = torch.sigmoid(gates).split([n, n], dim=-1)
             h_post = 2.0 * h_post

@@ -538,6 +538,27 @@ CAUSAL_CONFIGS = {
 }
 
 
+@pytest.mark.parametrize("equation, a, b", [("bhgtd,bhsd->bhgts", (2, 3, 2, 5, 4), (2, 3, 7, 4)),
+                                             ("bhgts,bhsd->bhgtd", (2, 3, 2, 5, 7), (2, 3, 7, 4))])
+def test_opaque_einsum_is_torch_einsum_forward_and_backward(equation, a, b):
+    """``model.opaque_einsum`` (XLA's attention products, kept whole through AOTAutograd) against
+    torch.einsum and its autograd in float64, with the second operand's gradient wanted or not;
+    and as a custom op by torch.library's own checks (schema, fake tensor, autograd)."""
+    g = torch.Generator().manual_seed(0)
+    x, y = (torch.randn(s, generator=g, dtype=torch.float64) for s in (a, b))
+    up = torch.randn(torch.einsum(equation, x, y).shape, generator=g, dtype=torch.float64)
+    for wants_y in (True, False):
+        inputs = (x.clone().requires_grad_(), y.clone().requires_grad_(wants_y))
+        got = M.opaque_einsum(equation, *inputs)
+        grads = torch.autograd.grad((got * up).sum(), [t for t in inputs if t.requires_grad])
+        want = torch.einsum(equation, *inputs)
+        want_grads = torch.autograd.grad((want * up).sum(), [t for t in inputs if t.requires_grad])
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        for gg, wg in zip(grads, want_grads, strict=True):
+            torch.testing.assert_close(gg, wg, rtol=1e-12, atol=1e-12)
+    torch.library.opcheck(torch.ops.nash_mhc.einsum.default, (equation, x.requires_grad_(), y.requires_grad_()))
+
+
 @pytest.mark.parametrize("name", list(CAUSAL_CONFIGS))
 def test_causality_is_exact(name):
     """Changing the tokens after t changes no logit at positions <= t (bitwise, fp32)."""

@@ -19,8 +19,8 @@ import torch_xla.utils.checkpoint as xla_checkpoint
 from model import ModelConfig, NashMHC
 from tests.helpers import shaken
 
-def fallbacks():
-    return sorted(c for c in met.counter_names() if c.startswith("aten::"))
+def fallbacks():   # aten:: ops run on the CPU, and einsums torch_xla decomposed instead of lowering
+    return sorted(c for c in met.counter_names() if c.startswith("aten::") or c == "EinsumFallback")
 
 dev = torch_xla.device()
 report = {}

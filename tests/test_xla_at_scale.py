@@ -460,6 +460,8 @@ out = {}
 for name, over in {"data_fsdp": ["xla.mesh.data=2", "xla.mesh.fsdp=2"],
                    "fsdp_tp": ["xla.mesh.fsdp=2", "xla.mesh.tp=2"],
                    "data_fsdp_scan": ["xla.mesh.data=2", "xla.mesh.fsdp=2", "xla.scan_layers=true"],
+                   "fsdp_tp_scan": ["xla.mesh.fsdp=2", "xla.mesh.tp=2", "xla.scan_layers=true",
+                                    "model.mhc_streams=4"],
                    "data_fsdp_loss_chunk": ["xla.mesh.data=2", "xla.mesh.fsdp=2", "model.loss_chunk=32"]}.items():
     cfg = load_config(sys.argv[1], ["xla.mode=spmd", *over])
     backend = XLABackend(cfg)
@@ -495,12 +497,14 @@ def test_spmd_activations_keep_the_batch_split(tmp_path, stdlib_data):
     device (``_WholeTableEmbedding``). The chunked loss calls the LM head's weight directly (no
     module hooks): checked too.
 
-    And on the fsdp x tp mesh (every mesh here, in fact) no collective moves a tensor of four or
-    more dimensions: the attention's per-head tensors ``[B, H, T, D]`` stay split by heads as the
-    column-parallel projections split them, the residual streams ``[B, T, n, C]`` by the batch.
-    Written as products whose batch merged the query heads of a key/value head with the tokens
-    (``[B, Hkv, G * T, D]``), the attention and the Nash game had GSPMD gather their heads over
-    tp (bench/optimizer.py --only tp --model-root: 250 collectives, 97.7 MB -> 210, 71.3 MB)."""
+    And on the fsdp x tp meshes (every mesh here, in fact) no collective moves a tensor of four
+    or more dimensions: the attention's per-head tensors ``[B, H, T, D]`` stay split by heads as
+    the column-parallel projections split them, the residual streams ``[B, T, n, C]`` by the
+    batch. As batched matmuls (torch's, whose one batch dimension merges batch and heads) the
+    attention and the Nash game had GSPMD gather their heads over tp; in a scanned block that
+    AOTAutograd traces, an einsum becomes such a matmul, hence ``model.opaque_einsum``; and
+    there, left to GSPMD, mHC's coefficient logits came out split over tp and the streams with
+    them (four streams here, as at the 3B config). bench/optimizer.py --only tp --model-root."""
     dump = tmp_path / "hlo"
     env = {**SPMD, "XLA_FLAGS": f"{SPMD.get('XLA_FLAGS', '')} --xla_dump_to={dump} --xla_dump_hlo_as_text"}
     cfg = tiny_config(tmp_path, stdlib_data, **{**SMALL, "model.d_model": 64, "model.vocab_size": 4096,
@@ -609,5 +613,10 @@ def test_spmd_scan_matches_the_unrolled_blocks(tmp_path, stdlib_data):
     assert [a["step"] for a in spmd] == [b["step"] for b in one] and one   # zip would stop at the shorter
     for a, b in zip(spmd, one):
         assert abs(a["loss"] - b["loss"]) <= 1e-4 * abs(b["loss"]), a["step"]
-        for k in ("nash_entropy", "nash_w0", "nash_tau", "mhc_res_diag", "mhc_gate"):   # the layers' means
+        for k in ("nash_entropy", "nash_w0", "nash_tau", "mhc_res_diag"):   # the layers' means
             assert a[k] == pytest.approx(b[k], rel=1e-4), (a["step"], k)
+        # The gates' mean |alpha|: H_res's gate starts with a gradient of ~1e-11 (H_res near the
+        # identity), a cancellation far below AdamW's eps (1e-8), so its update is the rounding of
+        # that gradient's reduction, which differs with the device count: 1.5e-4 after 12 steps
+        # (3.6e-5 at most before the XLA attention's products became einsums); the loss 1e-7.
+        assert a["mhc_gate"] == pytest.approx(b["mhc_gate"], rel=1e-3), a["step"]

@@ -598,9 +598,9 @@ class XLABackend(Backend):
 
     def _shard_activations(self, model: nn.Module) -> None:
         """Constrain the activations into and out of every Linear (mHC's projections too), out of
-        the embedding and into and out of every block to the batch's sharding, forward and
-        backward (``activation_partition_spec``, ``_annotated``), and with ZeRO-2 look tokens up
-        in the embedding's whole table (``_WholeTableEmbedding``). bench/optimizer.py ``--only activations``, data 2
+        the embedding, into and out of every block, and mHC's coefficient logits to the batch's
+        sharding, forward and backward (``activation_partition_spec``, ``_annotated``), and with
+        ZeRO-2 look tokens up in the embedding's whole table (``_WholeTableEmbedding``). bench/optimizer.py ``--only activations``, data 2
         x fsdp 2: see the README's "Compilation and host syncs on XLA"."""
         def constrain(t: torch.Tensor, module: str, output: bool) -> torch.Tensor:
             key = _sharding_key(self.mesh, activation_partition_spec(module, t.ndim, output))
@@ -617,6 +617,8 @@ class XLABackend(Backend):
                     lambda _, args, module=module: (constrain(args[0], module, False), *args[1:]))
             if isinstance(m, (nn.Linear, nn.Embedding)):
                 m.register_forward_hook(lambda _, args, out, module=module: constrain(out, module, True))
+            if hasattr(m, "annotate_logits"):   # mHC's coefficients (model.HyperConnection)
+                m.annotate_logits = lambda t: constrain(t, "", True)
         for block in getattr(model, "blocks", ()):
             block.register_forward_pre_hook(lambda _, args: (constrain(args[0], "", False), *args[1:]))
             block.register_forward_hook(lambda _, args, out: (constrain(out[0], "", True), *out[1:]))
