@@ -469,16 +469,19 @@ for name, over in {"data_fsdp": ["xla.mesh.data=2", "xla.mesh.fsdp=2"],
     model = backend.prepare_model(NashMHC(cfg.model), cfg)
     opt = build_optimizer(model, cfg.training, backend.adamw_factory())
     opt.init_state()
-    backend.prepare_optimizer(opt)   # with data > 1 (ZeRO-2) the gradients are annotated too
+    backend.prepare_optimizer(opt)   # the gradients annotated (ZeRO-2: over data x fsdp; replicated: whole)
     tokens = torch.randint(0, cfg.model.vocab_size, (8, 128))
     batches = backend.batches([(tokens, tokens)])
     x, y = next(iter(batches))
-    seen = set(glob.glob(f"{dump}/*after_optimizations.txt"))
-    model(x, y).loss.backward()
-    torch_xla.sync()
-    text = "".join(open(f).read() for f in set(glob.glob(f"{dump}/*after_optimizations.txt")) - seen)
-    # every collective of the partitioned forward and backward: (kind, each result's shape on one device)
-    out[name] = [(kind, f"{dtype}[{dims}]") for kind, arrays in collective_results(text) for dtype, dims in arrays]
+    out[name] = {}
+    for graph, step in (("forward_backward", lambda: model(x, y).loss.backward()), ("update", opt.step)):
+        seen = set(glob.glob(f"{dump}/*after_optimizations.txt"))
+        step()
+        torch_xla.sync()
+        text = "".join(open(f).read() for f in set(glob.glob(f"{dump}/*after_optimizations.txt")) - seen)
+        # every collective of the partitioned graph: (kind, each result's shape on one device)
+        out[name][graph] = [(kind, f"{dtype}[{dims}]") for kind, arrays in collective_results(text)
+                            for dtype, dims in arrays]
     backend.close_batches(batches)
 print("REPORT " + json.dumps(out))
 """
@@ -504,18 +507,24 @@ def test_spmd_activations_keep_the_batch_split(tmp_path, stdlib_data):
     attention and the Nash game had GSPMD gather their heads over tp; in a scanned block that
     AOTAutograd traces, an einsum becomes such a matmul, hence ``model.opaque_einsum``; and
     there, left to GSPMD, mHC's coefficient logits came out split over tp and the streams with
-    them (four streams here, as at the 3B config). bench/optimizer.py --only tp --model-root."""
+    them (four streams here, as at the 3B config). bench/optimizer.py --only tp --model-root.
+    Without ZeRO-2 the update moves nothing: every gradient is annotated as its parameter's state
+    is split, replicated ones whole (left to GSPMD, log_tau's came out split by heads over tp and
+    the update all-gathered it)."""
     dump = tmp_path / "hlo"
     env = {**SPMD, "XLA_FLAGS": f"{SPMD.get('XLA_FLAGS', '')} --xla_dump_to={dump} --xla_dump_hlo_as_text"}
     cfg = tiny_config(tmp_path, stdlib_data, **{**SMALL, "model.d_model": 64, "model.vocab_size": 4096,
                                                 "model.max_seq_len": 128})
     out = script_report(ACTIVATION_LAYOUT, cfg, dump, env=env)
-    for mesh, collectives in out.items():
+    for mesh, graphs in out.items():
+        collectives = graphs["forward_backward"]
         assert collectives, mesh  # the weights are sharded: their all-gathers at least
         batch_sized = [(kind, shape) for kind, shape in collectives if re.search(r"\[(8,128|1024)\b", shape)]
         assert not batch_sized, (mesh, batch_sized)
         per_head = [(kind, shape) for kind, shape in collectives if shape.count(",") >= 3]
         assert not per_head, (mesh, per_head)
+        if mesh.startswith("fsdp_tp"):   # no ZeRO-2 (data 1): each gradient arrives split as its state is
+            assert graphs["update"] == [], (mesh, graphs["update"])
 
 
 ANNOTATION_CACHE = r"""

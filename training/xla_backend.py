@@ -640,10 +640,12 @@ class XLABackend(Backend):
                 for v in optimizer.state[p].values():
                     if torch.is_tensor(v) and v.shape == p.shape and v.device == p.device and v.ndim:
                         self.xs.mark_sharding(v, self.mesh, spec)
-                if self._over_data and id(p) in self._specs and id(p) not in self._grad_hooks:
-                    # Annotate each gradient as autograd stores it: XLA then reduce-scatters it
-                    # over data x fsdp instead of all-reducing it over data, and it stays that way
-                    # between accumulation micro-steps.
+                if (self._over_data or id(p) not in self._specs) and p.ndim and id(p) not in self._grad_hooks:
+                    # Annotate each gradient as autograd stores it. ZeRO-2: XLA then reduce-scatters
+                    # it over data x fsdp instead of all-reducing it over data, and it stays that
+                    # way between accumulation micro-steps. A replicated parameter's (gates, norms,
+                    # biases, per-head temperatures): whole, one all-reduce; left to GSPMD, some
+                    # came out split (log_tau by heads over tp) and the update gathered each.
                     self._grad_hooks[id(p)] = p.register_post_accumulate_grad_hook(
                         functools.partial(self._shard_grad, spec=spec))
 
