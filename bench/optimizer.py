@@ -6,7 +6,7 @@ SPMD's activations, annotated with the batch's split or left to XLA's propagatio
     .venv/bin/python bench/optimizer.py --only spmd --d-model 256 --layers 4 --repeats 5
     .venv/bin/python bench/optimizer.py --only zero --d-model 256 --layers 4 --repeats 5
     .venv/bin/python bench/optimizer.py --only activations,zero --d-model 256 --layers 4 --batch 2 --seq 256 --repeats 5
-    .venv/bin/python bench/optimizer.py --only tp --d-model 256 --layers 4 --batch 2 --seq 256 --model-root /tmp/before
+    .venv/bin/python bench/optimizer.py --only tp --d-model 256 --layers 4 --batch 2 --seq 256 --repeats 5 --model-root /tmp/before [--scan-layers]
 
 fsdp2:
 
@@ -66,8 +66,9 @@ tp: train_xla.py's backend on an fsdp ``--devices / 2`` x tp 2 mesh (Megatron's 
 heads and FFN features split over tp), AdamW, the Trainer's two graphs per step: ``this`` (this
 checkout's model) and, with ``--model-root DIR``, ``root`` (DIR's model.py, loaded as bench/model.py
 loads it), measured as the zero section's forms: what a change to the model does to the
-partitioned graph. (XLA compiles a graph once: a root whose model traces to the same graph as
-this checkout's reports no collectives of its own.)
+partitioned graph; with ``--scan-layers`` the blocks run as one scan loop (``xla.scan_layers``),
+whose body is what GSPMD partitions. (XLA compiles a graph once: where a form's graph is the same
+as an earlier form's, as the update's is when only the model changed, it is reported as such.)
 
 The XLA sections' batch (``--batch`` per device x ``--devices`` sequences of ``--seq`` tokens) is
 split over data x fsdp, as train_xla.py's loader splits it (their figures before the activations
@@ -387,6 +388,8 @@ def _timed_steps(forms: dict, x, args, dump: str, graphs: dict) -> dict:
             xm.wait_device_ops()
             if r >= warmup:
                 times[form].append(time.perf_counter() - t0)
+    for f in forms:   # XLA compiles a graph once: a form whose graph another form compiled has none of its own
+        comms[f] = {g: comms[f].get(g, "the same graph as an earlier form's") for g in graphs}
     out = {"forms": {f: {**comms[f], "step_ms": 1e3 * statistics.median(times[f]),
                          "compiled_while_timed": late[f]} for f in forms}}
     if len(forms) > 1:
@@ -460,7 +463,7 @@ def _tp(args) -> dict:
     if args.devices % 2:
         sys.exit(f"bench/optimizer.py: --only tp needs an even --devices (fsdp devices/2 x tp 2), got {args.devices}")
     backend, cfg, dump = _xla_backend(["training.optimizer=adamw", f"xla.mesh.fsdp={args.devices // 2}",
-                                       "xla.mesh.tp=2"])
+                                       "xla.mesh.tp=2", f"xla.scan_layers={str(args.scan_layers).lower()}"])
     modules = {"this": None}
     if args.model_root:
         from bench.model import model_module
@@ -492,6 +495,7 @@ def main(argv=None) -> int:
                          "tp: fsdp the rest x tp 2")
     ap.add_argument("--only", default="fsdp2,ddp,spmd,zero,activations,tp",
                     help="sections, comma-separated: fsdp2, ddp, spmd, zero, activations, tp")
+    ap.add_argument("--scan-layers", action="store_true", help="tp: the blocks as one scan loop (xla.scan_layers)")
     ap.add_argument("--model-root", metavar="DIR",
                     help="tp: also another checkout's model.py (as bench/model.py --model-root), side by side")
     # an XLA section's child process
