@@ -396,7 +396,8 @@ def opaque_einsum(equation: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tens
     decomposes an einsum into ``bmm``, whose single batch dimension merges all of the operands'
     (batch and heads), and a split of two of them cannot survive that merge; kept whole until it
     runs, the einsum reaches torch_xla's own lowering, one product with every batch dimension
-    its own. Its backward is two more of it."""
+    its own. Its backward is two more of it, so every index of an operand must appear in the
+    output or in the other operand (true of ``attend``'s two)."""
     return torch.einsum(equation, a, b)
 
 
@@ -433,9 +434,9 @@ def attend(q, k, v, bias=None):
     mask, repeat every key/value head G times, a softmax that zeroes fully hidden rows), so there
     the same formula is written out, which keeps the graph of every attention call small (about a
     third of SDPA's): the G query heads of a key/value head stay a dimension of their own,
-    ``[B, Hkv, G, T, D]``, in einsums that torch_xla lowers to single products with B and Hkv as
-    batch dimensions, so heads split over tp stay split. Merged with the tokens into G * T rows of
-    one batched product (before), they had GSPMD gather them (bench/optimizer.py --only tp).
+    ``[B, Hkv, G, T, D]``, in two ``opaque_einsum`` products with B and Hkv as batch dimensions,
+    so heads split over tp stay split. As batched matmuls, whose one batch dimension merges B
+    and the heads, they had GSPMD gather the heads (bench/optimizer.py --only tp).
     """
     if q.device.type != "xla":
         return F.scaled_dot_product_attention(q, k, v, attn_mask=None if bias is None else bias.to(q.dtype),

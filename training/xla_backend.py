@@ -600,8 +600,9 @@ class XLABackend(Backend):
         """Constrain the activations into and out of every Linear (mHC's projections too), out of
         the embedding, into and out of every block, and mHC's coefficient logits to the batch's
         sharding, forward and backward (``activation_partition_spec``, ``_annotated``), and with
-        ZeRO-2 look tokens up in the embedding's whole table (``_WholeTableEmbedding``). bench/optimizer.py ``--only activations``, data 2
-        x fsdp 2: see the README's "Compilation and host syncs on XLA"."""
+        ZeRO-2 look tokens up in the embedding's whole table (``_WholeTableEmbedding``).
+        bench/optimizer.py ``--only activations`` (data 2 x fsdp 2) and ``--only tp``: see the
+        README's "Compilation and host syncs on XLA"."""
         def constrain(t: torch.Tensor, module: str, output: bool) -> torch.Tensor:
             key = _sharding_key(self.mesh, activation_partition_spec(module, t.ndim, output))
             return _annotated(t, key, key)
