@@ -390,23 +390,31 @@ def apply_rope(x, cos, sin):
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
-@torch.library.custom_op("nash_mhc::einsum", mutates_args=())
+# One name per loaded copy of this file: bench/model.py --model-root loads another checkout's
+# model.py beside this one, and a second registration of one name would serve both copies.
+@torch.library.custom_op(f"nash_mhc::einsum_{__name__.replace('.', '_')}", mutates_args=())
 def opaque_einsum(equation: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``torch.einsum(equation, a, b)`` as one opaque op. AOTAutograd (torch_xla's ``scan``)
-    decomposes an einsum into ``bmm``, whose single batch dimension merges all of the operands'
-    (batch and heads), and a split of two of them cannot survive that merge; kept whole until it
-    runs, the einsum reaches torch_xla's own lowering, one product with every batch dimension
-    its own. Its backward is two more of it, so every index of an operand must appear in the
-    output or in the other operand (true of ``attend``'s two)."""
-    return torch.einsum(equation, a, b)
+    """``torch.einsum(equation, a, b)`` as one opaque op, in its operands' dtype (autocast off).
+    AOTAutograd (torch_xla's ``scan``) decomposes an einsum into ``bmm``, whose single batch
+    dimension merges all of the operands' (batch and heads), and a split of two of them cannot
+    survive that merge; kept whole until it runs, the einsum reaches torch_xla's own lowering,
+    one product with every batch dimension its own (an HLO dot with ``lhs_batch_dims``: checked
+    by tests/test_model_xla.py). Its backward is two more of it, so the equation is explicit
+    (``->``, no ``...``) and every index of an operand appears in the output or in the other
+    operand (true of ``attend``'s two)."""
+    with torch.autocast(a.device.type, enabled=False):
+        return torch.einsum(equation, a, b)
 
 
 @opaque_einsum.register_fake
 def _(equation, a, b):
-    return torch.einsum(equation, a, b)
+    with torch.autocast(a.device.type, enabled=False):
+        return torch.einsum(equation, a, b)
 
 
 def _opaque_einsum_setup(ctx, inputs, output):
+    if "->" not in inputs[0] or "." in inputs[0]:
+        raise ValueError(f"opaque_einsum needs an explicit equation (->, no ...): {inputs[0]!r}")
     ctx.equation = inputs[0]
     ctx.save_for_backward(inputs[1], inputs[2])
 
@@ -599,7 +607,8 @@ class NashAttention(nn.Module):
         with torch.autocast(device_type=outs[0].device.type, enabled=False):
             outs32 = [o.float() for o in outs]
             # On XLA one [L, D] tensor per token: a much smaller graph. Not under torch.compile:
-            # its step got slower with it (bench/model.py: nash-only 1.21x -> 1.54x).
+            # its step got slower with it (bench/model.py, with the game's products batched as
+            # they were then: nash-only 1.21x -> 1.54x).
             if outs32[0].device.type == "xla":
                 outs32 = torch.stack(outs32, dim=-2)                  # [B, H, T, L, D]
             if self.aggregation == "nash" and isinstance(outs32, torch.Tensor):

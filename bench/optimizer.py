@@ -134,8 +134,8 @@ def model_config(args, module=None):
     if module is None:
         import model as module
     return module.ModelConfig(vocab_size=4096, d_model=args.d_model, n_layers=args.layers,
-                       n_heads=max(1, args.d_model // 64), n_kv_heads=max(1, args.d_model // 128),
-                       max_seq_len=args.seq)
+                              n_heads=max(1, args.d_model // 64), n_kv_heads=max(1, args.d_model // 128),
+                              max_seq_len=args.seq)
 
 
 def model_and_optimizer(backend, cfg, args, module=None):

@@ -96,6 +96,15 @@ torch_xla.sync()
 report["sinkhorn_loop_alone"] = {
     "forward": ((qx.cpu().double() - q.detach()).abs().max() / q.detach().abs().max()).item(),
     "backward": ((px.grad.cpu().double() - ref.grad).abs().max() / ref.grad.abs().max()).item()}
+# model.opaque_einsum, attention's product, and its two gradients: each one HLO dot whose batch
+# dimensions are B and the key/value heads (not a bmm over their merged product)
+import re
+from model import opaque_einsum
+q = torch.randn(2, 3, 2, 5, 4, device=dev, requires_grad=True)
+k = torch.randn(2, 3, 7, 4, device=dev, requires_grad=True)
+s = opaque_einsum("bhgtd,bhsd->bhgts", q, k)
+hlo = torch_xla._XLAC._get_xla_tensors_hlo([s, *torch.autograd.grad(s.sum(), (q, k))])
+report["opaque_einsum_dots"] = re.findall(r" dot\(.*?lhs_batch_dims=(\{[0-9,]*\})", hlo)
 print("REPORT " + json.dumps(report))
 """
 
@@ -117,6 +126,13 @@ def test_forward_backward_without_fallbacks_matches_cpu(report, name):
     assert fp32["fallbacks"] == []
     assert abs(fp32["loss"] - fp32["cpu_loss"]) < 1e-5
     assert fp32["max_grad_diff"] < 1e-4 and fp32["finite_grads"] and fp32["metrics_finite"]
+
+
+def test_opaque_einsum_is_one_dot_with_batch_and_heads_as_batch_dimensions(report):
+    """The forward and both gradients of the attention's product reach torch_xla's own einsum
+    lowering: three dots batched over (B, Hkv), where a decomposed einsum would be a bmm over
+    their merged product (the merge that made GSPMD gather heads split over tp)."""
+    assert report["opaque_einsum_dots"] == ["{0,1}"] * 3, report["opaque_einsum_dots"]
 
 
 def test_the_xla_sinkhorn_loop_is_the_plain_iterations_and_their_gradient(report):

@@ -508,9 +508,9 @@ def test_spmd_activations_keep_the_batch_split(tmp_path, stdlib_data):
     AOTAutograd traces, an einsum becomes such a matmul, hence ``model.opaque_einsum``; and
     there, left to GSPMD, mHC's coefficient logits came out split over tp and the streams with
     them (four streams here, as at the 3B config). bench/optimizer.py --only tp --model-root.
-    Without ZeRO-2 the update moves nothing: every gradient is annotated as its parameter's state
-    is split, replicated ones whole (left to GSPMD, log_tau's came out split by heads over tp and
-    the update all-gathered it)."""
+    Without ZeRO-2 the update moves nothing: the sharded parameters' gradients come out split as
+    their state is, and the replicated ones' are annotated whole (left to GSPMD, log_tau's came
+    out split by heads over tp and the update all-gathered it)."""
     dump = tmp_path / "hlo"
     env = {**SPMD, "XLA_FLAGS": f"{SPMD.get('XLA_FLAGS', '')} --xla_dump_to={dump} --xla_dump_hlo_as_text"}
     cfg = tiny_config(tmp_path, stdlib_data, **{**SMALL, "model.d_model": 64, "model.vocab_size": 4096,
@@ -627,5 +627,5 @@ def test_spmd_scan_matches_the_unrolled_blocks(tmp_path, stdlib_data):
         # The gates' mean |alpha|: H_res's gate starts with a gradient of ~1e-11 (H_res near the
         # identity), a cancellation far below AdamW's eps (1e-8), so its update is the rounding of
         # that gradient's reduction, which differs with the device count: 1.5e-4 after 12 steps
-        # (3.6e-5 at most before the XLA attention's products became einsums); the loss 1e-7.
+        # (3.6e-5 at most at 88c08e0, before this session's tp changes); the loss 1e-7.
         assert a["mhc_gate"] == pytest.approx(b["mhc_gate"], rel=1e-3), a["step"]

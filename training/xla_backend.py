@@ -629,8 +629,9 @@ class XLABackend(Backend):
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """SPMD: shard the optimiser state like its parameter (FSDP), and with
-        ``xla.shard_optimizer_over_data`` over data x fsdp, the gradients too (ZeRO-2); Muon
-        orthogonalises whole matrices (``_lay_out_by_matrix``)."""
+        ``xla.shard_optimizer_over_data`` over data x fsdp, the gradients too (ZeRO-2);
+        replicated parameters' gradients whole; Muon orthogonalises whole matrices
+        (``_lay_out_by_matrix``)."""
         if not self.spmd:
             return
         if isinstance(optimizer, Muon):
