@@ -501,6 +501,10 @@ def main(argv=None) -> int:
     # an XLA section's child process
     ap.add_argument("--xla-here", choices=XLA_SECTIONS, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if (args.model_root or args.scan_layers) and "tp" not in args.only.split(","):
+        ap.error("--model-root and --scan-layers are the tp section's: add tp to --only")
+    if args.model_root and not (Path(args.model_root) / "model.py").is_file():
+        ap.error(f"--model-root {args.model_root}: no model.py there")
     if args.xla_here:
         print(json.dumps({"spmd": _spmd, "zero": _zero, "activations": _activations, "tp": _tp}[args.xla_here](args)))
         return 0

@@ -562,6 +562,16 @@ def test_bench_optimizer_fsdp2_and_ddp_sections_run_as_written():
     assert res["ddp"]["first_step_max_weight_difference"] == 0.0
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--only", "zero", "--scan-layers"], "the tp section's: add tp to --only"),
+    (["--only", "tp", "--model-root", "/nonexistent"], "--model-root /nonexistent: no model.py there"),
+])
+def test_optimizer_bench_refuses_options_it_would_ignore(args, message):
+    r = subprocess.run([sys.executable, "bench/optimizer.py", *args], cwd=ROOT, env=ENV, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and message in r.stderr.strip().splitlines()[-1], r.stderr[-2000:]
+
+
 @pytest.mark.xla
 def test_zero2_state_lies_within_each_devices_parameter_shard_and_activations_keep_the_batch():
     """`bench/optimizer.py --only zero,activations,tp` at a tiny shape (data 2 x fsdp 2 PJRT CPU
