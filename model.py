@@ -390,10 +390,7 @@ def apply_rope(x, cos, sin):
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
-# One name per loaded copy of this file: bench/model.py --model-root loads another checkout's
-# model.py beside this one, and a second registration of one name would serve both copies.
-@torch.library.custom_op(f"nash_mhc::einsum_{__name__.replace('.', '_')}", mutates_args=())
-def opaque_einsum(equation: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def _einsum(equation: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``torch.einsum(equation, a, b)`` as one opaque op, in its operands' dtype (autocast off).
     AOTAutograd (torch_xla's ``scan``) decomposes an einsum into ``bmm``, whose single batch
     dimension merges all of the operands' (batch and heads), and a split of two of them cannot
@@ -406,10 +403,11 @@ def opaque_einsum(equation: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tens
         return torch.einsum(equation, a, b)
 
 
-@opaque_einsum.register_fake
-def _(equation, a, b):
-    with torch.autocast(a.device.type, enabled=False):
-        return torch.einsum(equation, a, b)
+# One name per loaded copy of this file: bench/model.py --model-root loads another checkout's
+# model.py beside this one, and a second registration of one name would serve both copies.
+opaque_einsum = torch.library.custom_op(f"nash_mhc::einsum_{__name__.replace('.', '_')}", _einsum,
+                                        mutates_args=())
+opaque_einsum.register_fake(_einsum)   # the same einsum, on fake tensors
 
 
 def _opaque_einsum_setup(ctx, inputs, output):

@@ -603,9 +603,13 @@ class XLABackend(Backend):
         ZeRO-2 look tokens up in the embedding's whole table (``_WholeTableEmbedding``).
         bench/optimizer.py ``--only activations`` (data 2 x fsdp 2) and ``--only tp``: see the
         README's "Compilation and host syncs on XLA"."""
+        keys: dict[tuple, str] = {}   # traced every step: the spec and its key worked out once
+
         def constrain(t: torch.Tensor, module: str, output: bool) -> torch.Tensor:
-            key = _sharding_key(self.mesh, activation_partition_spec(module, t.ndim, output))
-            return _annotated(t, key, key)
+            at = (module, t.ndim, output)
+            if at not in keys:
+                keys[at] = _sharding_key(self.mesh, activation_partition_spec(module, t.ndim, output))
+            return _annotated(t, keys[at], keys[at])
 
         for name, m in model.named_modules():
             module = name.rsplit(".", 1)[-1]
