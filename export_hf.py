@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import json
 import math
 import os
@@ -46,7 +45,7 @@ from model import NashMHC
 from prepare_data import TOKENIZER_FILES, DataError, TokenizerSpec, install
 from training.checkpoint import FORMAT_VERSION, CheckpointError, atomic_torch_save
 from training.config import Config, ConfigError
-from training.data import data_change_warning
+from training.data import tokenizer_difference, unverified_tokenizer_warning
 from training.hf import (from_llama_state_dict, llama_incompatibility, load_llama, load_training_checkpoint,
                          max_logit_difference, model_from_checkpoint, probe_tokens, to_llama_config,
                          to_llama_state_dict, tokenizer_record)
@@ -314,23 +313,16 @@ def build_hf_model(model, sd: dict, rows: int, spec):
 
 
 def check_tokenizer(ckpt: dict, tok_dir: Path, given: bool) -> None:
-    """The tokenizer to ship against the one the checkpoint was trained with (its data's
-    tokenizer.json sha256, recorded since fb250af): the data.dir's holding another one now is
-    refused (every token id would decode to other text); one given with --tokenizer is said in a
-    warning (an earlier export's tokenizer.json, rewritten without its post-processor, differs in
-    bytes and not in tokens)."""
-    recorded = (ckpt.get("data") or {}).get("tokenizer_sha256")
-    if not (tok_dir / "tokenizer.json").is_file():
-        return  # tokenizer_spec says so
-    shipped = hashlib.sha256((tok_dir / "tokenizer.json").read_bytes()).hexdigest()
-    if not recorded or recorded == shipped:
+    """The tokenizer to ship against the one the checkpoint was trained with: the data.dir's
+    holding another one now is refused (every token id would decode to other text); one given
+    with --tokenizer is said in a warning (an earlier export's tokenizer.json, rewritten without
+    its post-processor, differs in bytes and not in tokens)."""
+    differs = tokenizer_difference(ckpt, tok_dir / "tokenizer.json")
+    if differs is None:
         return
     if not given:
-        raise ExportError(f"{tok_dir}: its tokenizer.json (sha256 {shipped[:12]}...) is not the one the "
-                          f"checkpoint was trained with ({recorded[:12]}...): pass --tokenizer DIR holding "
-                          "the model's tokenizer")
-    say(f"warning: --tokenizer {tok_dir}: its tokenizer.json (sha256 {shipped[:12]}...) is not byte for byte "
-        f"the one the checkpoint was trained with ({recorded[:12]}...); exported as given")
+        raise ExportError(f"{tok_dir}: {differs}: pass --tokenizer DIR holding the model's tokenizer")
+    say(f"warning: --tokenizer {tok_dir}: {differs} in its bytes; exported as given")
 
 
 def export(args) -> str:
@@ -347,8 +339,7 @@ def export(args) -> str:
     if args.tokenizer is None and data_dir is None:
         raise ExportError(f"{where}: no data.dir in the stored config; pass --tokenizer DIR")
     tok_dir = Path(args.tokenizer).expanduser() if args.tokenizer else data_dir
-    changed = args.tokenizer is None and data_change_warning(
-        ckpt, data_dir, f"the tokenizer of {data_dir} may not be the model's (pass --tokenizer)")
+    changed = args.tokenizer is None and unverified_tokenizer_warning(ckpt, data_dir)
     if changed:
         say(changed)
     check_tokenizer(ckpt, tok_dir, given=args.tokenizer is not None)

@@ -20,7 +20,7 @@ from model import NashMHC
 from prepare_data import DataError, TokenizerSpec, as_document_encoder
 from training.checkpoint import CheckpointError, resolve_checkpoint
 from training.config import ConfigError
-from training.data import data_change_warning
+from training.data import tokenizer_difference, unverified_tokenizer_warning
 from training.hf import model_from_checkpoint
 
 
@@ -92,12 +92,19 @@ def main(argv=None) -> int:
         if args.tokenizer is None and data_dir is None:
             raise FileNotFoundError("the checkpoint records no data.dir: pass --tokenizer")
         tok_path = args.tokenizer or data_dir
-        changed = args.tokenizer is None and data_change_warning(
-            ckpt, data_dir, f"the tokenizer of {data_dir} may not be the model's (pass --tokenizer)")
+        tok_file = tok_path / "tokenizer.json" if tok_path.is_dir() else tok_path
+        if not tok_file.is_file():
+            raise FileNotFoundError(f"{tok_path}: tokenizer not found (pass --tokenizer)")
+        # as export_hf.py checks it: the data.dir's tokenizer must be the one the model was trained
+        # with (else every id decodes to other text); a --tokenizer that differs is said
+        differs = tokenizer_difference(ckpt, tok_file)
+        if differs and args.tokenizer is None:
+            raise FileNotFoundError(f"{data_dir}: {differs}: pass --tokenizer with the model's tokenizer")
+        if differs:
+            print(f"warning: --tokenizer {tok_path}: {differs}", file=sys.stderr)
+        changed = args.tokenizer is None and unverified_tokenizer_warning(ckpt, data_dir)
         if changed:
             print(changed, file=sys.stderr)
-        if not (tok_path / "tokenizer.json" if tok_path.is_dir() else tok_path).is_file():
-            raise FileNotFoundError(f"{tok_path}: tokenizer not found (pass --tokenizer)")
         try:  # prepare_data.py's reading: the end-of-text token from tokenizer_config.json beside it
             spec = TokenizerSpec.load(str(tok_path))
         except DataError as e:

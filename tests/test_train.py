@@ -125,9 +125,26 @@ def test_trains_logs_and_checkpoints(tmp_path, stdlib_data):
     r = run(["sample.py", str(tmp_path / "run"), "--prompt", "x = 1\n" * 40, "--max-new-tokens", "2"])
     assert r.returncode == 0 and "; the model sees its last 64 (model.max_seq_len)" in r.stderr, r.stderr[-2000:]
     assert "the run trained on 32-token windows (data.seq_len)" in r.stderr
-    # the data directory re-prepared since the checkpoint (meta.json differs): said
+    # the data directory re-prepared since the checkpoint (meta.json differs): its tokenizer is
+    # checked as export_hf.py checks it, against the sha256 the checkpoint records - the same
+    # bytes pass without a word, other ones are refused (each id would print as other text), or
+    # said when given with --tokenizer; a checkpoint too old to record one gets the warning
+    sha = ck["data"]["tokenizer_sha256"]
+    assert sha == json.loads((stdlib_data / "meta.json").read_text())["tokenizer_sha256"]
     atomic_torch_save(dict(ck, data={**ck["data"], "fingerprint": "0" * 64}), tmp_path / "moved.pt")
     r = run(["sample.py", str(tmp_path / "moved.pt"), "--max-new-tokens", "2"])
+    assert r.returncode == 0 and "warning" not in r.stderr, r.stderr[-2000:]
+    atomic_torch_save(dict(ck, data={**ck["data"], "tokenizer_sha256": "f" * 64}), tmp_path / "other.pt")
+    r = run(["sample.py", str(tmp_path / "other.pt"), "--max-new-tokens", "2"])
+    assert r.returncode == 2 and "Traceback" not in r.stderr and r.stdout == "", r.stderr[-2000:]
+    assert r.stderr.strip().splitlines()[-1] == (f"sample.py: error: {stdlib_data}: its tokenizer.json (sha256 {sha[:12]}...) is "
+                                "not the one the checkpoint was trained with (ffffffffffff...): pass --tokenizer "
+                                "with the model's tokenizer"), r.stderr
+    r = run(["sample.py", str(tmp_path / "other.pt"), "--tokenizer", str(stdlib_data), "--max-new-tokens", "2"])
+    assert r.returncode == 0 and f"warning: --tokenizer {stdlib_data}: its tokenizer.json (sha256 " in r.stderr
+    old = dict(ck, data={k: v for k, v in ck["data"].items() if k != "tokenizer_sha256"} | {"fingerprint": "0" * 64})
+    atomic_torch_save(old, tmp_path / "old.pt")
+    r = run(["sample.py", str(tmp_path / "old.pt"), "--max-new-tokens", "2"])
     assert r.returncode == 0 and ("saved while training on other data (meta.json differs): the tokenizer of "
                                   f"{stdlib_data} may not be the model's") in r.stderr, r.stderr[-2000:]
 

@@ -59,6 +59,33 @@ def check_same_tokenizer(ckpt: dict, meta: dict, path, data_dir) -> None:
                           "(prepare_data.py --tokenizer DIR of the data it was trained on)")
 
 
+def unverified_tokenizer_warning(ckpt: dict, data_dir: Path) -> str | None:
+    """``data_change_warning`` for the decoding tools, for a checkpoint too old to record its
+    tokenizer's sha256: its data.dir changed since, so its tokenizer may not be the model's. A
+    checkpoint that records one is checked exactly instead (``tokenizer_difference``)."""
+    if (ckpt.get("data") or {}).get("tokenizer_sha256"):
+        return None
+    return data_change_warning(ckpt, data_dir, f"the tokenizer of {data_dir} may not be the model's "
+                               "(pass --tokenizer)")
+
+
+def tokenizer_difference(ckpt: dict, tokenizer_json: Path) -> str | None:
+    """For the tools that decode a checkpoint's token ids (sample.py, export_hf.py): how
+    ``tokenizer_json`` differs from the tokenizer the checkpoint was trained with (its data's
+    tokenizer.json sha256, recorded since fb250af), as "its tokenizer.json (sha256 ...) is not the
+    one the checkpoint was trained with (...)"; None when they are the same bytes, or when the
+    checkpoint records none (older ones) or the file is missing (the caller says so)."""
+    import hashlib
+    recorded = (ckpt.get("data") or {}).get("tokenizer_sha256")
+    if not recorded or not Path(tokenizer_json).is_file():
+        return None
+    now = hashlib.sha256(Path(tokenizer_json).read_bytes()).hexdigest()
+    if now == recorded:
+        return None
+    return (f"its tokenizer.json (sha256 {now[:12]}...) is not the one the checkpoint was trained with "
+            f"({recorded[:12]}...)")
+
+
 # Shards kept memory-mapped at once by one dataset in one process (each DataLoader worker has its
 # own): a map holds a file descriptor, and mapping every shard ran out of them at ~1,000 shards
 # under the usual limit of 1,024 (100B tokens at the default 100M tokens a shard).
