@@ -231,11 +231,13 @@ def test_config_overrides_are_typed(tmp_path):
     (["training.max_steps="], "command line"),                       # the file holds max_steps: 3
     (["training.lerning_rate=1e-3"], "command line"),
     (["data.seq_len=4096"], "command line"),                          # a cross-field check
+    (["model.n_heads=7"], "command line"),      # one whose message names the file's d_model, not the key
     (["training.learning_rate=1e-3"], "file"),                        # a good override; the file's error
 ])
 def test_config_errors_say_whether_the_file_or_the_command_line_set_the_value(tmp_path, overrides, where):
     """An error about a value an override set names the command line, not the YAML file (which
-    does not hold it); one about the file's own values names the file."""
+    does not hold it), also where the message names the file's value rather than the key (the file
+    alone is a good config); one about the file's own values names the file."""
     p = write(tmp_path, "training: {max_steps: 3}\nmodel: {d_model: 100}\n" if where == "file"
               else "training: {max_steps: 3}\n")
     with pytest.raises(ConfigError) as e:

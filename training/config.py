@@ -9,6 +9,7 @@ The ``model`` section is ``model.ModelConfig`` itself, so the model owns its own
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import datetime
 import difflib
@@ -448,22 +449,31 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
         if not isinstance(tree, dict):
             raise ConfigError(f"{path}: expected a mapping of sections at the top level")
     parsed = parse_overrides(list(overrides))
+    file_tree = copy.deepcopy(tree) if parsed else None
     for key, value in parsed:
         _set_path(tree, key, value)
     try:
         cfg = build(Config, tree)
         check(cfg)
     except ConfigError as e:
-        raise ConfigError(_where(path, [key for key, _ in parsed], str(e))) from None
+        raise ConfigError(_where(path, file_tree, [key for key, _ in parsed], str(e))) from None
     return cfg
 
 
-def _where(path, override_keys: list[str], msg: str) -> str:
-    """``msg`` with where its keys were set: the command line when it names a key an override set
-    (the file does not hold that value), else the config file (no file: the overrides are all)."""
+def _where(path, file_tree: dict | None, override_keys: list[str], msg: str) -> str:
+    """``msg`` with where its values were set: the command line when the file alone (``file_tree``)
+    is a good config, so the overrides made it bad - a cross-field check names the file's value
+    too (``model.n_heads=3`` over a d_model of 128) - or when ``msg`` names a key an override set;
+    else the config file. No file: the overrides are all there is."""
     if path is None:
         return msg
     if any(re.search(rf"(?<![\w.]){re.escape(k)}(?![\w])", msg) for k in override_keys):
+        return f"command line (over {path}): {msg}"
+    if file_tree is not None:
+        try:
+            check(build(Config, file_tree))
+        except ConfigError:
+            return f"{path}: {msg}"
         return f"command line (over {path}): {msg}"
     return f"{path}: {msg}"
 
