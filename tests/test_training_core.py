@@ -264,6 +264,14 @@ def test_string_keys_take_an_override_as_written(tmp_path):
     # a '#' in a path is part of it (YAML would cut a comment off); quoted text is YAML's
     cfg = load_config(p, ["checkpoint.dir=runs/lr sweep #3", "logging.wandb.run_name='a #1'"])
     assert (cfg.checkpoint.dir, cfg.logging.wandb.run_name) == ("runs/lr sweep #3", "a #1")
+    # text YAML reads as a mapping or a list is text for a text key; a list or mapping key
+    # (training.betas, a section) keeps YAML's reading, and a later override goes into a mapping
+    cfg = load_config(p, ["logging.wandb.run_name=sweep: lr 3e-4", "checkpoint.dir=- x", "data.dir=[a, b]",
+                          "training.betas=[0.8, 0.9]", "xla.mesh={fsdp: 2}", "xla.mesh.tp=2"])
+    assert (cfg.logging.wandb.run_name, cfg.checkpoint.dir, cfg.data.dir) == ("sweep: lr 3e-4", "- x", "[a, b]")
+    assert cfg.training.betas == (0.8, 0.9) and (cfg.xla.mesh.fsdp, cfg.xla.mesh.tp) == (2, 2)
+    with pytest.raises(ConfigError, match=r"training.betas: expected a list of 2 values .*, got \{'x': 1\}$"):
+        load_config(p, ["training.betas=x: 1"])
 
 
 def test_string_keys_in_a_file_are_the_text_written(tmp_path):

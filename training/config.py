@@ -245,8 +245,9 @@ class _Scalar:
     """A scalar as written (an override's value, or a plain YAML scalar in a config file) and YAML's
     reading of it. A string key takes the text as written: ``checkpoint.dir=0100`` is the octal 64
     to YAML, ``run_name=2024_01`` the integer 202401, ``run_name=on`` true, and in an override
-    ``checkpoint.dir=runs/lr sweep #3`` is cut at the comment. Quoted text, null and YAML lists
-    keep YAML's reading."""
+    ``checkpoint.dir=runs/lr sweep #3`` is cut at the comment; on the command line a run name
+    ``sweep: lr 3e-4`` or ``[ablation]`` is a mapping or a list to YAML, and text here. Quoted text
+    and null keep YAML's reading, as do the lists and mappings of a config file (YAML there)."""
 
     _NULLS = ("~", "null", "Null", "NULL")
 
@@ -257,7 +258,7 @@ class _Scalar:
         args = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
         textual = str in args or any(typing.get_origin(a) is Literal and all(isinstance(c, str) for c in
                                                                               typing.get_args(a)) for a in args)
-        if not textual or self.quoted or isinstance(self.value, (list, dict)):
+        if not textual or self.quoted:
             return self.value
         if self.value is None and self.text.strip() in self._NULLS:
             return None
@@ -406,6 +407,8 @@ def _set_path(tree: dict, dotted: str, value: Any) -> None:
         nxt = node.get(p)
         if nxt is None:
             nxt = node[p] = {}
+        if isinstance(nxt, _Scalar) and isinstance(nxt.value, dict):  # an earlier override's mapping
+            nxt = node[p] = nxt.value
         if not isinstance(nxt, dict):  # the file, or an earlier override such as training=1, made it a value
             raise ConfigError(f"override {dotted}: '{'.'.join(parts[:i + 1])}' is {nxt!r}, "
                               "not a section (set by the config file or an earlier override)")
@@ -425,7 +428,7 @@ def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
             value = raw
         # quoted or tagged (!!str 0100): the text YAML reads, not the text as written
         quoted = raw.strip()[:1] in ("'", '"', "!") and isinstance(value, str)
-        out.append((key.strip(), value if isinstance(value, (dict, list)) else _Scalar(raw, value, quoted)))
+        out.append((key.strip(), _Scalar(raw, value, quoted)))
     return out
 
 
