@@ -48,7 +48,9 @@ def test_spmd_mesh_matches_one_device(tmp_path, stdlib_data, mesh, loss_chunk):
              f"xla.mesh.data={d}", f"xla.mesh.fsdp={f}", f"xla.mesh.tp={t}", f"model.loss_chunk={loss_chunk}"],
             env={**ENV, "CPU_NUM_DEVICES": "4"})
     assert r.returncode == 0, r.stderr[-3000:]
-    assert f"4 device(s), spmd mesh ({d}, {f}, {t})" in r.stderr
+    assert f"4 device(s), spmd mesh ({d}, {f}, {t})) | model" in r.stderr    # no "x 1 replica(s)"
+    # the batch is global in SPMD, split over data x fsdp, not 8 per replica
+    assert f"effective batch: 8 global (split over data {d} x fsdp {f}) x 1 accumulation = 8 sequences" in r.stderr
     close(losses(spmd / "run"), losses(one / "run"), 1e-3, steps=list(range(1, 21)))
     # the consolidated checkpoint loads in train.py: resume it there for 2 more steps
     r = run(["train.py", str(spmd / "cfg.yaml"), "training.max_steps=22"])

@@ -118,8 +118,10 @@ def test_config_unknown_section(tmp_path):
     ("training: {max_steps: 3, device: gpu}", "training.device='gpu': expected auto, cuda, cuda:N, mps or cpu"),
     ("training: {max_steps: 3, device: 'cuda:abc'}", "training.device='cuda:abc': expected"),
     ("training: {max_steps: 3, dist_timeout_s: 0}", "training.dist_timeout_s=0.0 must be a positive number of seconds"),
-    ("training: {max_steps: 3}\nevaluation: {steps: 0}", "evaluation.steps=0 must be at least 1"),
-    ("training: {max_steps: 3}\nevaluation: {interval: -1}", "evaluation.interval=-1 must be >= 0"),
+    # (as the key's help says: interval 0 evaluates at the end only; nothing turns evaluation off)
+    ("training: {max_steps: 3}\nevaluation: {steps: 0}",
+     r"evaluation.steps=0 must be at least 1 \(evaluation.interval=0: only at the end of the run\)$"),
+    ("training: {max_steps: 3}\nevaluation: {interval: -1}", r"evaluation.interval=-1 must be >= 0 \(0: only at the end\)$"),
     # every other bound the schema checks (none of these had a case: removing a check passed)
     ("training: {max_steps: 3, grad_clip: -1}", r"training.grad_clip=-1.0 must be >= 0$"),
     ("training: {max_steps: 3, min_lr_ratio: 1.5}", r"training.min_lr_ratio=1.5 must be in \[0, 1\]$"),
@@ -185,6 +187,19 @@ def test_settings_that_do_nothing_are_said():
     assert said == ["warning: model.vocab_size=4,096 is 2.0x the data's vocabulary (2,000 in d): 2,096 token "
                     "ids never occur (0.1M weights trained only towards zero probability); set model.vocab_size "
                     "to the data's (or a multiple of 64 just above it)"]
+    # warmup that leaves no decay: the whole run, or all of it but one step at the peak (lr_at)
+    from training.optim import lr_at
+    for steps, warmup, said in ((10, 10, "is not below the run's 10 steps: "),
+                                (10, 12, "is not below the run's 10 steps: "),
+                                (10, 9, "leaves one of the run's 10 steps after warmup, at the peak "),
+                                (10, 8, None), (1, 0, None)):
+        got = settings_warnings(load_config(None, base + ["model.nash_window=16", f"training.warmup_steps={warmup}"]),
+                                256, max_steps=steps)
+        assert len(got) == (said is not None) and all(
+            w.startswith(f"warning: training.warmup_steps={warmup} {said}") for w in got), got
+        rates = [lr_at(i, steps, 1.0, warmup, 0.1) for i in range(steps)]
+        never_decays = all(b >= a for a, b in zip(rates, rates[1:]))
+        assert never_decays == (said is not None or steps == 1), rates
 
 
 def test_a_changed_architecture_is_refused_in_the_config_file_spelling():

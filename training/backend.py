@@ -50,6 +50,9 @@ class Backend:
     # host-side all-reduce per step, which torchrun's 30 s between passing a signal on and
     # SIGKILL needs. The XLA backend with several processes decides at log steps instead.
     decides_every_step: bool = True
+    # How one global batch of ``batch_size`` sequences is split over devices when it is not one
+    # batch per replica: SPMD's "data 2 x fsdp 2" (the start-up line says so); None otherwise.
+    batch_split: str | None = None
 
     # -- set-up ------------------------------------------------------------------------------
     def autocast_dtype(self, precision: str) -> torch.dtype | None:

@@ -538,9 +538,9 @@ def check(cfg: Config) -> None:
     if t.dist_timeout_s is not None and not 0 < t.dist_timeout_s < math.inf:
         bad(f"training.dist_timeout_s={t.dist_timeout_s} must be a positive number of seconds (null: torch's defaults)")
     if cfg.evaluation.interval < 0:
-        bad(f"evaluation.interval={cfg.evaluation.interval} must be >= 0 (0: no evaluation)")
+        bad(f"evaluation.interval={cfg.evaluation.interval} must be >= 0 (0: only at the end)")
     if cfg.evaluation.steps < 1:
-        bad(f"evaluation.steps={cfg.evaluation.steps} must be at least 1 (evaluation.interval=0: no evaluation)")
+        bad(f"evaluation.steps={cfg.evaluation.steps} must be at least 1 (evaluation.interval=0: only at the end of the run)")
     if cfg.checkpoint.interval < 0:
         bad(f"checkpoint.interval={cfg.checkpoint.interval} must be >= 0")
     if cfg.checkpoint.keep < 1:

@@ -143,10 +143,18 @@ def step_seed(seed: int, replica: int, step: int) -> int:
     return int(ss.generate_state(1, np.uint64)[0] >> np.uint64(1))
 
 
-def settings_warnings(cfg: Config, tokens_per_step: int, data_vocab: int | None = None) -> list[str]:
+def settings_warnings(cfg: Config, tokens_per_step: int, data_vocab: int | None = None,
+                      max_steps: int | None = None) -> list[str]:
     """Settings that are legal but do nothing, or not what they say, in this config (``data_vocab``:
-    the data's vocabulary, from its meta.json)."""
+    the data's vocabulary, from its meta.json; ``max_steps``: the run's, from total_tokens too)."""
     m, t, out = cfg.model, cfg.training, []
+    if max_steps is not None and t.warmup_steps >= max_steps:
+        out.append(f"warning: training.warmup_steps={t.warmup_steps} is not below the run's {max_steps:,} "
+                   "steps: the learning rate rises for the whole run and never decays")
+    elif max_steps is not None and t.warmup_steps and t.warmup_steps == max_steps - 1:
+        # the cosine's one step (its progress 0 of at least 1) is at the peak
+        out.append(f"warning: training.warmup_steps={t.warmup_steps} leaves one of the run's {max_steps:,} "
+                   "steps after warmup, at the peak learning rate: it never decays")
     if data_vocab is not None and m.vocab_size > 2 * data_vocab:
         unused = m.vocab_size - data_vocab
         weights = unused * m.d_model * (1 if m.tie_embeddings else 2)
@@ -357,20 +365,19 @@ class Trainer:
     def _log_start(self, model: NashMHC) -> None:
         cfg, t_cfg, backend = self.cfg, self.cfg.training, self.backend
         self.log_line(f"config (resolved):\n{_yaml(cfg.to_dict())}")
+        split = backend.batch_split   # SPMD: one global batch over the mesh, not one per replica
         self.log_line(
-            f"device: {backend.device_name()} x {self.replicas} replica(s) | model: "
+            f"device: {backend.device_name()}{'' if split else f' x {self.replicas} replica(s)'} | model: "
             f"{model.num_params() / 1e6:.2f}M parameters | data: "
             f"{self.meta['splits']['train']['tokens']:,} train tokens, vocab {self.meta['vocab_size']}")
+        per = (f"{t_cfg.batch_size} global (split over {split})" if split else
+               f"{t_cfg.batch_size} per replica x {self.replicas} replica(s)")
         self.log_line(
-            f"effective batch: {t_cfg.batch_size} per replica x {self.replicas} replica(s) x "
-            f"{t_cfg.gradient_accumulation_steps} accumulation = "
+            f"effective batch: {per} x {t_cfg.gradient_accumulation_steps} accumulation = "
             f"{t_cfg.batch_size * self.replicas * t_cfg.gradient_accumulation_steps} sequences = "
             f"{self.tokens_per_step:,} tokens per step; {self.max_steps:,} steps"
             + (f" (training.total_tokens={t_cfg.total_tokens:,})" if t_cfg.max_steps is None else ""))
-        if t_cfg.warmup_steps >= self.max_steps:
-            self.log_line(f"warning: training.warmup_steps={t_cfg.warmup_steps} is not below the run's "
-                          f"{self.max_steps:,} steps: the learning rate rises for the whole run and never decays")
-        for warning in settings_warnings(cfg, self.tokens_per_step, self.meta["vocab_size"]):
+        for warning in settings_warnings(cfg, self.tokens_per_step, self.meta["vocab_size"], self.max_steps):
             self.log_line(warning)
         e_cfg, global_batch = cfg.evaluation, t_cfg.batch_size * self.replicas
         if len(self.val_ds) // global_batch < e_cfg.steps:

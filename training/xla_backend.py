@@ -458,6 +458,8 @@ class XLABackend(Backend):
         self.device = torch_xla.device()
         if self.spmd:
             self.world_size, self.rank, self.is_master = 1, 0, xr.process_index() == 0
+            m = cfg.xla.mesh
+            self.batch_split = f"data {m.data} x fsdp {m.fsdp}"
         else:
             self.world_size = xr.world_size()
             self.rank = xr.global_ordinal()
