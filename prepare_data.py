@@ -73,7 +73,8 @@ EXAMPLES = """examples:
       --tokenizer data/stdlib --out data/more
   # a hub dataset, streamed, for a smoke run
   python prepare_data.py --dataset HuggingFaceFW/fineweb-edu --dataset-config sample-10BT \\
-      --max-tokens 50M --vocab-size 32768 --out data/fineweb-smoke  # after copying a prepared directory to another machine: every file against meta.json
+      --max-tokens 50M --vocab-size 32768 --out data/fineweb-smoke
+  # after copying a prepared directory to another machine: every file against meta.json
   python prepare_data.py --verify data/stdlib
 """
 
