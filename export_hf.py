@@ -322,7 +322,7 @@ def check_tokenizer(ckpt: dict, tok_dir: Path, given: bool) -> None:
         return
     if not given:
         raise ExportError(f"{tok_dir}: {differs}: pass --tokenizer DIR holding the model's tokenizer")
-    say(f"warning: --tokenizer {tok_dir}: {differs} in its bytes; exported as given")
+    say(f"warning: --tokenizer {tok_dir}: {differs}; exported as given")
 
 
 def export(args) -> str:

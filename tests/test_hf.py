@@ -452,8 +452,8 @@ def test_the_export_ships_the_tokenizer_the_model_was_trained_with(tmp_path, std
     assert export(tmp_path / "run", tmp_path / "hf3", "--no-verify") == 2
     line = one_error_line(capsys.readouterr().err)
     assert line.startswith(f"export_hf.py: error: {data}: its tokenizer.json (sha256 ") and line.endswith(
-        f"is not the one the checkpoint was trained with ({sha[:12]}...): pass --tokenizer DIR holding the "
-        "model's tokenizer")
+        f"is not byte for byte the one the checkpoint was trained with ({sha[:12]}...): pass --tokenizer DIR "
+        "holding the model's tokenizer")
     assert not (tmp_path / "hf3").exists()
 
 

@@ -138,7 +138,7 @@ def test_trains_logs_and_checkpoints(tmp_path, stdlib_data):
     r = run(["sample.py", str(tmp_path / "other.pt"), "--max-new-tokens", "2"])
     assert r.returncode == 2 and "Traceback" not in r.stderr and r.stdout == "", r.stderr[-2000:]
     assert r.stderr.strip().splitlines()[-1] == (f"sample.py: error: {stdlib_data}: its tokenizer.json (sha256 {sha[:12]}...) is "
-                                "not the one the checkpoint was trained with (ffffffffffff...): pass --tokenizer "
+                                "not byte for byte the one the checkpoint was trained with (ffffffffffff...): pass --tokenizer "
                                 "with the model's tokenizer"), r.stderr
     r = run(["sample.py", str(tmp_path / "other.pt"), "--tokenizer", str(stdlib_data), "--max-new-tokens", "2"])
     assert r.returncode == 0 and f"warning: --tokenizer {stdlib_data}: its tokenizer.json (sha256 " in r.stderr

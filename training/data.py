@@ -72,8 +72,9 @@ def unverified_tokenizer_warning(ckpt: dict, data_dir: Path) -> str | None:
 def tokenizer_difference(ckpt: dict, tokenizer_json: Path) -> str | None:
     """For the tools that decode a checkpoint's token ids (sample.py, export_hf.py): how
     ``tokenizer_json`` differs from the tokenizer the checkpoint was trained with (its data's
-    tokenizer.json sha256, recorded since fb250af), as "its tokenizer.json (sha256 ...) is not the
-    one the checkpoint was trained with (...)"; None when they are the same bytes, or when the
+    tokenizer.json sha256, recorded since fb250af), as "its tokenizer.json (sha256 ...) is not byte
+    for byte the one the checkpoint was trained with (...)" (an earlier export's tokenizer.json,
+    rewritten without its post-processor, differs in bytes, not in tokens); None when they are the same bytes, or when the
     checkpoint records none (older ones) or the file is missing (the caller says so)."""
     import hashlib
     recorded = (ckpt.get("data") or {}).get("tokenizer_sha256")
@@ -82,8 +83,8 @@ def tokenizer_difference(ckpt: dict, tokenizer_json: Path) -> str | None:
     now = hashlib.sha256(Path(tokenizer_json).read_bytes()).hexdigest()
     if now == recorded:
         return None
-    return (f"its tokenizer.json (sha256 {now[:12]}...) is not the one the checkpoint was trained with "
-            f"({recorded[:12]}...)")
+    return (f"its tokenizer.json (sha256 {now[:12]}...) is not byte for byte the one the checkpoint was "
+            f"trained with ({recorded[:12]}...)")
 
 
 # Shards kept memory-mapped at once by one dataset in one process (each DataLoader worker has its
