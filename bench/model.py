@@ -37,7 +37,10 @@ process. The component split: mhc-only and nash-only against the baseline. Warm-
 process are not independent: a kernel whose source an earlier variant already compiled is not
 compiled again (inductor's in-process code cache), so every variant after the first would warm up
 faster than alone. The compile backend therefore measures each variant's warm-up again in a
-worker of its own (fresh cache, after the tiny model): "warm-up" is that figure.
+worker of its own (fresh cache, after the tiny model): "warm-up" is that figure. Each round also
+times each variant's first step in a fresh process and cache without the tiny model: a launch's
+first step, the compiler's one-time set-up (~6 s on 2 cores, paid again by every process: it is not
+in inductor's on-disk cache) included in both; the report gives it beside the warm-up.
 
 torch.compile's warm-up by phase (--compile-split, instead of the timing): each variant alone in
 a fresh process and inductor cache with TORCHINDUCTOR_COMPILE_THREADS=1, so every C++ compiler call
@@ -351,10 +354,12 @@ def backend_worker(args) -> dict:
             return builder.step(a, variant)
         return torch_step(a, variant, compiled=args.worker == "compile")
 
-    # A tiny model first: the compilers' one-time costs (imports, C++ toolchain checks) land here.
-    tiny = argparse.Namespace(**{**vars(args), "d_model": 32, "n_heads": 2, "n_kv_heads": 2, "n_layers": 1,
-                                 "batch": 1, "seq": 64, "vocab": 64, "window": 16})
-    make("baseline", tiny)[0]()
+    # A tiny model first: the compilers' one-time costs (imports, C++ toolchain checks) land here;
+    # --cold leaves them in the variant's first step, as a launch's first step has them.
+    if not args.cold:
+        tiny = argparse.Namespace(**{**vars(args), "d_model": 32, "n_heads": 2, "n_kv_heads": 2, "n_layers": 1,
+                                     "batch": 1, "seq": 64, "vocab": 64, "window": 16})
+        make("baseline", tiny)[0]()
     gcc = gcc_timer() if args.compile_split else None
     steps, results = {}, {}
     for v in args.variants:
@@ -436,15 +441,22 @@ def run_backend(args, backend: str) -> dict:
     then measured again alone, in a worker of its own with a fresh cache (in the shared worker the
     later variants reuse kernels that earlier ones compiled: ``warmup_shared_s`` keeps that
     figure): ``--warmup-rounds`` rounds, the variants in turn in each, and the median of each
-    variant's (``warmup_alone_s`` lists them)."""
+    variant's (``warmup_alone_s`` lists them). Each round also times each variant's first step in
+    a fresh process without the tiny model (``first_step_s``, ``first_step_alone_s``): what a
+    launch of train.py waits for, the compiler's one-time set-up included, which every launch pays
+    again (it is not in inductor's on-disk cache) and the warm-up leaves out."""
     out = run_worker(args, backend)
     if backend == "compile" and len(args.variants) > 1:
         alone: dict[str, list[float]] = {v: [] for v in out["results"]}
+        cold: dict[str, list[float]] = {v: [] for v in out["results"]}
         for _ in range(args.warmup_rounds):
             for v in alone:
                 alone[v].append(run_worker(args, backend, [f"--variants={v}", "--warmup-only"])["results"][v]["warmup_s"])
+                cold[v].append(run_worker(args, backend, [f"--variants={v}", "--warmup-only", "--cold"])
+                               ["results"][v]["warmup_s"])
         for v, r in out["results"].items():
             r["warmup_shared_s"], r["warmup_s"], r["warmup_alone_s"] = r["warmup_s"], statistics.median(alone[v]), alone[v]
+            r["first_step_s"], r["first_step_alone_s"] = statistics.median(cold[v]), cold[v]
     return out
 
 
@@ -665,6 +677,12 @@ def render(args, report: dict) -> str:
                  f"{args.warmup_rounds} round(s) of the variants in turn" if "compile" in timed else "")
         L.append(f"x baseline: wall / CPU time (warm-up: wall{alone}) over 'baseline' in the same process; "
                  "targets for nash-mhc: " + ", ".join(f"{b} <= {t}" for b, t in TARGETS.items()))
+        first = {v: x["first_step_s"] for v, x in timed.get("compile", {}).get("results", {}).items()
+                 if "first_step_s" in x}
+        if "baseline" in first:
+            L.append("compile, a launch's first step (a fresh process and cache, no tiny model before it: the "
+                     "compiler's one-time set-up included), median of the same rounds: " + ", ".join(
+                         f"{v} {t:.1f} s ({t / first['baseline']:.2f}x)" for v, t in first.items()))
         split = [b for b, r in timed.items() if "baseline" in r["results"]]
         if split:
             L += ["", "| backend | baseline | Nash-MHC | ratio | mHC alone | Nash alone | warm-up ratio "
@@ -740,6 +758,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument("--worker", choices=BACKENDS, help=argparse.SUPPRESS)
     p.add_argument("--warmup-only", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--cold", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--memory-worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]

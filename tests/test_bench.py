@@ -288,19 +288,22 @@ def test_bench_model_root_variant_without_a_root_is_a_one_line_error():
 
 def test_compile_warmups_are_measured_alone(monkeypatch):
     """In one worker the later variants reuse kernels the earlier ones compiled; the compile
-    backend's warm-up is each variant's in a worker of its own, the shared figure kept aside."""
+    backend's warm-up is each variant's in a worker of its own, the shared figure kept aside; and
+    each round also times each variant's first step in a fresh worker without the tiny model
+    (--cold: a launch's first step, the compiler's one-time set-up in it), reported beside it."""
     import argparse
 
     from bench import model as bench_model
 
     calls = []
     alone = {"baseline": iter([10.0, 12.0, 9.0]), "nash-mhc": iter([40.0, 90.0, 41.0])}   # one slow round
+    cold = {"baseline": iter([16.0, 15.0, 17.0]), "nash-mhc": iter([45.0, 47.0, 46.0])}
 
     def fake_worker(args, backend, extra=()):
         calls.append((backend, tuple(extra)))
-        if extra:   # alone: --variants=NAME --warmup-only
+        if extra:   # alone: --variants=NAME --warmup-only [--cold]
             v = extra[0].split("=", 1)[1]
-            return {"results": {v: {"params": 1, "warmup_s": next(alone[v])}}}
+            return {"results": {v: {"params": 1, "warmup_s": next((cold if "--cold" in extra else alone)[v])}}}
         return {"results": {"baseline": {"params": 1, "warmup_s": 10.0, "wall_s": 1.0},
                             "nash-mhc": {"params": 1, "warmup_s": 30.0, "wall_s": 1.2}}}
 
@@ -310,12 +313,23 @@ def test_compile_warmups_are_measured_alone(monkeypatch):
     assert out["nash-mhc"]["warmup_s"] == 41.0 and out["nash-mhc"]["warmup_shared_s"] == 30.0   # medians
     assert out["baseline"]["warmup_s"] == 10.0 and out["nash-mhc"]["wall_s"] == 1.2
     assert out["nash-mhc"]["warmup_alone_s"] == [40.0, 90.0, 41.0]
+    assert (out["baseline"]["first_step_s"], out["nash-mhc"]["first_step_s"]) == (16.0, 46.0)
+    assert out["nash-mhc"]["first_step_alone_s"] == [45.0, 47.0, 46.0]
     # the variants in turn, round after round: a slow spell of the machine falls on both
-    assert calls == [("compile", ())] + [("compile", (f"--variants={v}", "--warmup-only"))
-                                         for _ in range(3) for v in ("baseline", "nash-mhc")]
+    assert calls == [("compile", ())] + [("compile", (f"--variants={v}", "--warmup-only", *cold_flag))
+                                         for _ in range(3) for v in ("baseline", "nash-mhc")
+                                         for cold_flag in ((), ("--cold",))]
     calls.clear()
     assert bench_model.run_backend(args, "eager")["results"]["nash-mhc"]["warmup_s"] == 30.0
     assert calls == [("eager", ())]
+    # the report says both, each over the baseline's
+    args = argparse.Namespace(batch=4, seq=512, d_model=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab=512,
+                              window=128, sinkhorn_iters=20, stream_dtype=None, threads=2, hlo_only=False,
+                              repeats=5, warmup=1, tuned_malloc=False, warmup_rounds=3)
+    for r in out.values():
+        r.update(cpu_s=r["wall_s"])
+    text = bench_model.render(args, {"load": (0.0, 0.0), "backends": {"compile": {"results": out}}})
+    assert "launch's first step" in text and "baseline 16.0 s (1.00x), nash-mhc 46.0 s (2.88x)" in text
 
 
 def test_memory_is_measured_with_the_plain_heap_under_tuned_malloc():
