@@ -38,9 +38,10 @@ process are not independent: a kernel whose source an earlier variant already co
 compiled again (inductor's in-process code cache), so every variant after the first would warm up
 faster than alone. The compile backend therefore measures each variant's warm-up again in a
 worker of its own (fresh cache, after the tiny model): "warm-up" is that figure. Each round also
-times each variant's first step in a fresh process and cache without the tiny model: a launch's
-first step, the compiler's one-time set-up (~6 s on 2 cores, paid again by every process: it is not
-in inductor's on-disk cache) included in both; the report gives it beside the warm-up.
+times each variant's first step in a fresh process and an empty cache without the tiny model: a
+first launch's first step, the compiler's one-time set-up included in both (~9 s on 2 cores here;
+most of it, not in inductor's on-disk cache, every later launch pays again); the report gives it
+beside the warm-up.
 
 torch.compile's warm-up by phase (--compile-split, instead of the timing): each variant alone in
 a fresh process and inductor cache with TORCHINDUCTOR_COMPILE_THREADS=1, so every C++ compiler call
@@ -442,9 +443,9 @@ def run_backend(args, backend: str) -> dict:
     later variants reuse kernels that earlier ones compiled: ``warmup_shared_s`` keeps that
     figure): ``--warmup-rounds`` rounds, the variants in turn in each, and the median of each
     variant's (``warmup_alone_s`` lists them). Each round also times each variant's first step in
-    a fresh process without the tiny model (``first_step_s``, ``first_step_alone_s``): what a
-    launch of train.py waits for, the compiler's one-time set-up included, which every launch pays
-    again (it is not in inductor's on-disk cache) and the warm-up leaves out."""
+    a fresh process and an empty cache without the tiny model (``first_step_s``,
+    ``first_step_alone_s``): what a first launch of train.py waits for, the compiler's one-time
+    set-up included, which the warm-up leaves out."""
     out = run_worker(args, backend)
     if backend == "compile" and len(args.variants) > 1:
         alone: dict[str, list[float]] = {v: [] for v in out["results"]}
@@ -680,8 +681,8 @@ def render(args, report: dict) -> str:
         first = {v: x["first_step_s"] for v, x in timed.get("compile", {}).get("results", {}).items()
                  if "first_step_s" in x}
         if "baseline" in first:
-            L.append("compile, a launch's first step (a fresh process and cache, no tiny model before it: the "
-                     "compiler's one-time set-up included), median of the same rounds: " + ", ".join(
+            L.append("compile, a first launch's first step (a fresh process, an empty cache, no tiny model before "
+                     "it: the compiler's one-time set-up included), median of the same rounds: " + ", ".join(
                          f"{v} {t:.1f} s ({t / first['baseline']:.2f}x)" for v, t in first.items()))
         split = [b for b, r in timed.items() if "baseline" in r["results"]]
         if split:

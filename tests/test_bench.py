@@ -329,7 +329,32 @@ def test_compile_warmups_are_measured_alone(monkeypatch):
     for r in out.values():
         r.update(cpu_s=r["wall_s"])
     text = bench_model.render(args, {"load": (0.0, 0.0), "backends": {"compile": {"results": out}}})
-    assert "launch's first step" in text and "baseline 16.0 s (1.00x), nash-mhc 46.0 s (2.88x)" in text
+    assert "a first launch's first step" in text and "baseline 16.0 s (1.00x), nash-mhc 46.0 s (2.88x)" in text
+
+
+def test_a_cold_worker_times_the_variant_without_the_tiny_model_before_it(monkeypatch):
+    """The warm-up is each variant's first step after a tiny model has paid the compiler's
+    one-time set-up in the process; --cold leaves that set-up in the variant's first step."""
+    import argparse
+
+    import torch
+
+    from bench import model as bench_model
+
+    built = []
+    monkeypatch.setattr(bench_model, "torch_step", lambda a, v, compiled: (built.append((v, a.d_model)) or
+                                                                          (lambda: None), 1))
+    threads = torch.get_num_threads()
+    try:
+        for cold, want in ((False, [("baseline", 32), ("nash-mhc", 256)]), (True, [("nash-mhc", 256)])):
+            built.clear()
+            args = argparse.Namespace(worker="eager", threads=threads, variants=["nash-mhc"], warmup_only=True,
+                                      cold=cold, compile_split=False, d_model=256, n_heads=8, n_kv_heads=4,
+                                      n_layers=4, batch=4, seq=512, vocab=512, window=128)
+            out = bench_model.backend_worker(args)
+            assert built == want and list(out["results"]) == ["nash-mhc"], (cold, built)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_memory_is_measured_with_the_plain_heap_under_tuned_malloc():

@@ -259,6 +259,13 @@ def test_config_errors_say_whether_the_file_or_the_command_line_set_the_value(tm
         load_config(p, overrides)
     msg = str(e.value)
     assert msg.startswith(f"command line (over {p}): " if where == "command line" else f"{p}: "), msg
+    # a file that leaves a key to the command line, or holds another error of its own: an error the
+    # overrides made still names the command line
+    for text in ("model: {d_model: 128}\n", "training: {max_steps: 3}\ncheckpoint: {keep: 0}\n"):
+        p = write(tmp_path, text)
+        with pytest.raises(ConfigError, match=rf"^command line \(over {re.escape(str(p))}\): model.d_model=128 "
+                                              "is not divisible by n_heads=7$"):
+            load_config(p, ["training.max_steps=10", "model.n_heads=7"])
 
 
 def test_string_keys_take_an_override_as_written(tmp_path):

@@ -464,21 +464,22 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
 
 
 def _where(path, file_tree: dict | None, override_keys: list[str], msg: str) -> str:
-    """``msg`` with where its values were set: the command line when the file alone (``file_tree``)
-    is a good config, so the overrides made it bad - a cross-field check names the file's value
-    too (``model.n_heads=3`` over a d_model of 128) - or when ``msg`` names a key an override set;
-    else the config file. No file: the overrides are all there is."""
+    """``msg`` with where its values were set: the config file when the file alone
+    (``file_tree``) fails with this very message, else the command line - the overrides made it,
+    also where a cross-field check names the file's value (``model.n_heads=3`` over a d_model of
+    128) or the file leaves a key to the command line. (An override that mends the file's first
+    error and so uncovers a second is named too; the message names the file's key.) No
+    overrides: the file; no file: the overrides are all there is."""
     if path is None:
         return msg
-    if any(re.search(rf"(?<![\w.]){re.escape(k)}(?![\w])", msg) for k in override_keys):
-        return f"command line (over {path}): {msg}"
-    if file_tree is not None:
-        try:
-            check(build(Config, file_tree))
-        except ConfigError:
+    if file_tree is None:
+        return f"{path}: {msg}"
+    try:
+        check(build(Config, file_tree))
+    except ConfigError as e:
+        if str(e) == msg:
             return f"{path}: {msg}"
-        return f"command line (over {path}): {msg}"
-    return f"{path}: {msg}"
+    return f"command line (over {path}): {msg}"
 
 
 def config_from_dict(tree: dict) -> Config:
