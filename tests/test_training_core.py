@@ -251,8 +251,8 @@ def test_config_overrides_are_typed(tmp_path):
 ])
 def test_config_errors_say_whether_the_file_or_the_command_line_set_the_value(tmp_path, overrides, where):
     """An error about a value an override set names the command line, not the YAML file (which
-    does not hold it), also where the message names the file's value rather than the key (the file
-    alone is a good config); one about the file's own values names the file."""
+    does not hold it), also where the message names the file's value rather than the key; one the
+    file alone fails with names the file."""
     p = write(tmp_path, "training: {max_steps: 3}\nmodel: {d_model: 100}\n" if where == "file"
               else "training: {max_steps: 3}\n")
     with pytest.raises(ConfigError) as e:
