@@ -257,6 +257,13 @@ def test_verify_finds_every_file_that_differs_from_meta(stdlib_data, tmp_path, p
     (d / "meta.json").write_text(json.dumps(meta))
     bad = prepare_data_cli("--verify", d)
     assert bad.returncode == 1 and f"{train[0]}: token id {meta['vocab_size'] + 3} is past the vocabulary" in bad.stderr
+    # ids another tool wrote as int32 (-1 padding would pass a check for ids past the vocabulary)
+    shutil.rmtree(d)
+    shutil.copytree(stdlib_data, d)
+    (d / "meta.json").write_text(json.dumps({**meta, "dtype": "int32"}))
+    bad = prepare_data_cli("--verify", d)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        f"prepare_data.py: error: {d / 'meta.json'}: dtype 'int32': shards hold token ids as uint16 or uint32"]
 
 
 def test_uint32_when_the_vocabulary_does_not_fit_uint16(tmp_path):

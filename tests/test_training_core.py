@@ -481,11 +481,22 @@ def _damaged_copy(src, dst, damage):
     return shard
 
 
+def _as_npz(shard):
+    with open(shard, "wb") as f:  # a file object: np.savez would add .npz to a path
+        np.savez(f, np.zeros(10, np.uint16))
+
+
 @pytest.mark.parametrize("damage, match", [
     (lambda shard, meta: os.truncate(shard, 1000), "{shard}: cannot open shard"),
     (lambda shard, meta: os.truncate(shard, 0), "{shard}: cannot open shard \\(an empty file\\)"),
     (lambda shard, meta: shard.unlink(), "{shard}: cannot open shard"),
     (lambda shard, meta: np.save(shard, np.zeros(10, np.int64)), "{shard}: int64\\[10\\] does not match meta.json"),
+    (lambda shard, meta: np.save(shard, np.zeros((2, 5), np.uint16)), "{shard}: uint16\\[2, 5\\] does not match meta.json"),
+    (lambda shard, meta: np.save(shard, np.uint16(5)), "{shard}: uint16\\[\\] does not match meta.json"),
+    (lambda shard, meta: _as_npz(shard),
+     "{shard}: cannot open shard \\(a .npz archive, not one .npy array\\)"),
+    (lambda shard, meta: meta.write_text(json.dumps({**json.loads(meta.read_text()), "dtype": "int32"})),
+     "{meta}: dtype 'int32': shards hold token ids as uint16 or uint32"),
     (lambda shard, meta: meta.write_text('{"vocab_size": 512}'), "{meta}: unreadable meta.json \\(KeyError"),
 ])
 def test_damaged_data_is_one_line_naming_the_file(tmp_path, stdlib_data, damage, match):
@@ -1229,7 +1240,8 @@ def test_a_wandb_or_tensorboard_failing_is_a_warning_and_the_run_logs_on(tmp_pat
     ("NVIDIA GH200 480GB", 989e12), ("NVIDIA A100-SXM4-80GB", 312e12), ("Tesla V100-SXM2-16GB", 15.7e12),
     ("Tesla V100S-PCIE-32GB", 16.4e12), ("Tesla T4", 8.1e12), ("NVIDIA A10", 125e12), ("NVIDIA A10G", 70e12),
     ("NVIDIA A100X", 312e12), ("NVIDIA H200", 989e12), ("NVIDIA H200 NVL", 835e12), ("NVIDIA H20", 148e12),
-    ("NVIDIA B200", 2250e12), ("NVIDIA GB200", 2500e12),
+    ("NVIDIA B200", 2250e12), ("NVIDIA GB200", 2500e12), ("NVIDIA H800", 989e12), ("NVIDIA H800 PCIe", 756e12),
+    ("Tesla V100-PCIE-32GB", 14e12),
     ("NVIDIA RTX A4000", None), ("AMD Instinct MI300X", None),
 ])
 def test_gpu_peaks_match_whole_words_of_the_device_name(name, peak):
@@ -1241,7 +1253,8 @@ def test_gpu_peaks_match_whole_words_of_the_device_name(name, peak):
 
 @pytest.mark.parametrize("name, bf16, fp32", [
     ("NVIDIA A100-SXM4-80GB", 312e12, 156e12), ("NVIDIA H100 80GB HBM3", 989e12, 494.5e12),
-    ("NVIDIA L4", 121e12, 60.5e12), ("Tesla V100-SXM2-16GB", 15.7e12, 15.7e12), ("Tesla T4", 8.1e12, 8.1e12),
+    ("NVIDIA L4", 121e12, 60.5e12), ("Tesla V100-SXM2-16GB", 15.7e12, 15.7e12),
+    ("Tesla V100-PCIE-32GB", 14e12, 14e12), ("Tesla T4", 8.1e12, 8.1e12),
     ("TPU v4", 275e12, 275e12), ("TPU v5 lite", 197e12, 197e12), ("TPU v5", 459e12, 459e12),
     ("TPU v6 lite", 918e12, 918e12),
 ])

@@ -92,6 +92,10 @@ def tokenizer_difference(ckpt: dict, tokenizer_json: Path) -> str | None:
 # under the usual limit of 1,024 (100B tokens at the default 100M tokens a shard).
 OPEN_SHARDS = 32
 
+# What a shard may hold (prepare_data.py writes uint16 when the vocabulary fits, else uint32): ids
+# that are never negative and are exact as int64, which the embedding takes.
+SHARD_DTYPES = ("uint16", "uint32")
+
 
 class TokenWindows(Dataset):
     """Non-overlapping windows of ``seq_len + 1`` tokens over every shard of one split.
@@ -115,6 +119,9 @@ class TokenWindows(Dataset):
             raise ConfigError(f"data.dir: cannot read {meta_path} ({e.strerror or e})") from None
         except (ValueError, KeyError, TypeError, OverflowError) as e:  # Overflow: a vocab_size of Infinity
             raise ConfigError(f"{meta_path}: unreadable meta.json ({type(e).__name__}: {e})") from None
+        if dtype not in SHARD_DTYPES:
+            raise ConfigError(f"{meta_path}: dtype {dtype!r}: shards hold token ids as "
+                              f"{' or '.join(SHARD_DTYPES)}")
         self.meta = meta
         self.seq_len = seq_len
         self.eos_id = meta.get("eos_id")
@@ -142,8 +149,12 @@ class TokenWindows(Dataset):
             raise ConfigError(f"{path}: cannot open shard ({e})") from None
         except EOFError:
             raise ConfigError(f"{path}: cannot open shard (an empty file)") from None
-        if arr.ndim != 1 or arr.shape[0] != tokens or arr.dtype.name != dtype:
-            raise ConfigError(f"{path}: {arr.dtype.name}[{arr.shape[0]}] does not match meta.json "
+        if not isinstance(arr, np.ndarray):  # a .npz archive under a .npy name
+            arr.close()
+            raise ConfigError(f"{path}: cannot open shard (a .npz archive, not one .npy array)")
+        if arr.shape != (tokens,) or arr.dtype.name != dtype:
+            shape = ", ".join(map(str, arr.shape))
+            raise ConfigError(f"{path}: {arr.dtype.name}[{shape}] does not match meta.json "
                               f"({dtype}[{tokens}])")
         return arr
 

@@ -23,12 +23,13 @@ from .checkpoint import atomic_write_text, first_line
 # training.precision=fp32 on the others runs its matmuls in TF32 (TorchBackend enables it), whose
 # dense peak is half the bf16 one on every GPU listed (A100 156, H100 SXM 495, L4 60 TFLOP/s).
 # A key matches a device name that holds its words in order, whole: "L4" is not the "L40" in
-# "NVIDIA L40"; the longest matching key wins ("H100 PCIe" over "H100", which is the SXM part).
+# "NVIDIA L40"; the longest matching key wins ("H100 PCIe" over "H100", which is the SXM part;
+# V100 the SXM2 part).
 PEAK_FLOPS = {
     "B200": 2250e12, "GB200": 2500e12, "H200": 989e12, "H200 NVL": 835e12, "H20": 148e12,
-    "H100": 989e12, "H100 PCIe": 756e12, "H100 NVL": 835e12, "H800": 989e12, "GH200": 989e12, "A100": 312e12, "A100X": 312e12, "A800": 312e12, "L40S": 362e12, "L40": 181e12,
+    "H100": 989e12, "H100 PCIe": 756e12, "H100 NVL": 835e12, "H800": 989e12, "H800 PCIe": 756e12, "GH200": 989e12, "A100": 312e12, "A100X": 312e12, "A800": 312e12, "L40S": 362e12, "L40": 181e12,
     "L4": 121e12, "A10": 125e12, "A10G": 70e12, "RTX 4090": 165e12, "RTX 3090": 71e12,
-    "V100": 15.7e12, "V100S": 16.4e12, "T4": 8.1e12,
+    "V100": 15.7e12, "V100 PCIe": 14e12, "V100S": 16.4e12, "T4": 8.1e12,
 }
 
 
@@ -43,7 +44,7 @@ TPU_DEVICE_KINDS = {
 }
 
 
-FP32_ONLY = {"V100", "V100S", "T4"}  # no bf16, no TF32: their PEAK_FLOPS entry is the fp32 peak
+FP32_ONLY = {"V100", "V100 PCIe", "V100S", "T4"}  # no bf16, no TF32: their PEAK_FLOPS entry is the fp32 peak
 
 
 def peak_flops_for(device_name: str, precision: str = "bf16") -> float | None:
