@@ -41,13 +41,12 @@ from pathlib import Path
 import torch
 import yaml
 
-from model import NashMHC
 from prepare_data import TOKENIZER_FILES, DataError, TokenizerSpec, install
 from training.checkpoint import FORMAT_VERSION, CheckpointError, atomic_torch_save
 from training.config import Config, ConfigError
 from training.data import tokenizer_difference, unverified_tokenizer_warning
 from training.hf import (from_llama_state_dict, llama_incompatibility, load_llama, load_training_checkpoint,
-                         max_logit_difference, model_from_checkpoint, probe_tokens, to_llama_config,
+                         max_logit_difference, model_from_checkpoint, model_holding, probe_tokens, to_llama_config,
                          to_llama_state_dict, tokenizer_record)
 from training.monitor import log_dir_owner
 
@@ -154,7 +153,10 @@ def model_card(name: str, model, ckpt: dict, where: Path, why_remote: str | None
         kind = "A Llama-architecture transformer (the Nash-MHC toolkit's baseline: one residual stream, full causal attention)"
         load = f'AutoModelForCausalLM.from_pretrained("{name}")'
         tok_load = f'AutoTokenizer.from_pretrained("{name}")'
-        code = "It loads as `LlamaForCausalLM`, without remote code."
+        code = ("It loads as `LlamaForCausalLM`, without remote code. Its `generate` stops at "
+                f"{cfg.max_seq_len} tokens, prompt included, unless given `max_new_tokens`: past them "
+                "it would run at positions the model was never built for (it does not crop the context "
+                "as the toolkit's sample.py does).")
     else:
         kind = "A Nash-MHC transformer"
         load = f'AutoModelForCausalLM.from_pretrained("{name}", trust_remote_code=True)'
@@ -307,8 +309,14 @@ def build_hf_model(model, sd: dict, rows: int, spec):
         hf.model.load_state_dict(sd, strict=True, assign=True)
         use_cache = False
     hf.tie_weights()
+    # As sample.py: no id past the model's trained rows or the tokenizer's ids (padding rows, which
+    # no text encodes to). The wrapper crops the context to max_seq_len as sample.py does;
+    # LlamaForCausalLM cannot, and would go on at positions never trained: by default it stops there.
+    untrained = list(range(min(cfg.vocab_size, spec.vocab_size), rows))
     hf.generation_config = GenerationConfig(bos_token_id=spec.bos_id, eos_token_id=spec.eos_id,
-                                            pad_token_id=pad, use_cache=use_cache)
+                                            pad_token_id=pad, use_cache=use_cache,
+                                            **({"max_length": cfg.max_seq_len} if use_cache else {}),
+                                            **({"suppress_tokens": untrained} if untrained else {}))
     return hf
 
 
@@ -422,8 +430,7 @@ def import_llama(args) -> str:
     if out.is_dir():
         raise ExportError(f"{out}: is a directory; give a file name such as init.pt")
     cfg, hf = load_llama(args.import_dir)
-    model = NashMHC(cfg).eval()
-    model.load_state_dict(from_llama_state_dict(hf.state_dict(), cfg))
+    model = model_holding(cfg, from_llama_state_dict(hf.state_dict(), cfg))[0].eval()
     diff, scale = max_logit_difference(model, hf, probe_tokens(cfg.vocab_size, cfg.max_seq_len))
     if not diff <= TOLERANCE * max(1.0, scale):
         raise ExportError(f"{args.import_dir}: our logits differ from transformers' by {diff:.3g} "

@@ -185,16 +185,24 @@ def model_from_checkpoint(ckpt: dict, where) -> NashMHC:
         cfg = config_from_dict(ckpt["config"]).model
     except (ConfigError, KeyError, TypeError) as e:
         raise CheckpointError(f"{where}: unknown architecture (stored config: {first_line(e)})") from None
-    with torch.device("meta"):  # no random init, no second copy: the parameters are the checkpoint's
-        model = NashMHC(cfg)
     try:
-        result = model.load_state_dict(ckpt["model"], strict=False, assign=True)
+        model, result = model_holding(cfg, ckpt["model"], strict=False)
     except RuntimeError as e:  # shape mismatch: torch's first line is a heading, the next ones name each tensor
         detail = next((ln.strip() for ln in str(e).splitlines() if "mismatch" in ln), first_line(e))
         raise CheckpointError(f"{where}: weights do not fit the stored config ({detail[:300]})") from None
     if result.missing_keys or result.unexpected_keys:
         raise CheckpointError(f"{where}: unknown architecture: weights and stored config disagree (missing "
                               f"{sorted(result.missing_keys)[:3]}, unexpected {sorted(result.unexpected_keys)[:3]})")
+    return model.eval()
+
+
+def model_holding(cfg: ModelConfig, sd: dict, strict: bool = True):
+    """``(NashMHC(cfg) whose parameters are sd's tensors, load_state_dict's result)``: built on the
+    meta device, so there is no random init and no second copy of the weights (an 8B import held
+    two fp32 models at once), then its derived buffers made on the CPU."""
+    with torch.device("meta"):
+        model = NashMHC(cfg)
+    result = model.load_state_dict(sd, strict=strict, assign=True)
     if cfg.tie_embeddings:
         model.lm_head.weight = model.tok_emb.weight
     for m in model.modules():  # what is still on meta are the derived buffers
@@ -202,7 +210,7 @@ def model_from_checkpoint(ckpt: dict, where) -> NashMHC:
             if buf.is_meta:
                 m.register_buffer(name, torch.empty_like(buf, device="cpu"), persistent=False)
     model.init_buffers()
-    return model.eval()
+    return model, result
 
 
 def tokenizer_record(hf_dir: Path) -> dict | None:
@@ -224,8 +232,7 @@ def load_initial_weights(path: str | Path, warn: Callable[[str], None] = print) 
     p = Path(path).expanduser()
     if (p / "config.json").is_file():
         cfg, hf = load_llama(p)
-        model = NashMHC(cfg)
-        model.load_state_dict(from_llama_state_dict(hf.state_dict(), cfg))
+        model, _ = model_holding(cfg, from_llama_state_dict(hf.state_dict(), cfg))
         return p, {"model": model.state_dict(), "config": {"model": cfg.to_dict()}, "data": tokenizer_record(p)}
     where, ckpt = load_training_checkpoint(p, warn)
     return where, {"model": model_from_checkpoint(ckpt, where).state_dict(), "config": ckpt["config"],
