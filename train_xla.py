@@ -164,13 +164,16 @@ class _PeerWatch(threading.Thread):
 
 
 def _several_hosts(cfg) -> bool:
-    """Whether this is one host of a multi-host TPU job (a pod slice; torch_xla's own count of
-    the slice's workers, from the TPU metadata). Asked only after ``check_data`` failed here: the
-    run then goes on to the launch agreement, where every host stops with the same line instead
-    of the others waiting for this one in the rendezvous."""
+    """Whether this is one host of a multi-host TPU job (a pod slice: torch_xla's own count of
+    the slice's workers, from the TPU metadata; or one of several slices, as the multi-slice
+    runtime's MEGASCALE_NUM_SLICES says, where each slice may be one host). Asked only after
+    ``check_data`` failed here: the run then goes on to the launch agreement, where every host
+    stops with the same line instead of the others waiting for this one in the rendezvous."""
     _default_pjrt_device()
     if os.environ.get("PJRT_DEVICE") != "TPU":
         return False
+    if os.environ.get("MEGASCALE_NUM_SLICES", "1").strip() not in ("", "0", "1"):
+        return True
     try:
         from torch_xla._internal import tpu
         return tpu.num_tpu_workers() > 1

@@ -487,6 +487,20 @@ def test_the_last_step_evaluates_and_saves_where_the_data_stands(tmp_path, stdli
     assert ck["tokens_seen"] == rows[-1]["tokens_seen"] == 15 * 2 * 4 * 32
 
 
+def test_a_run_outlives_the_terminal_it_was_started_from(tmp_path, stdlib_data):
+    """A pod run started over ssh whose session ends (both pipes closed before the run writes a
+    line here): it trains to the end, saves and exits 0, its metrics intact (it died at its next
+    progress line with BrokenPipeError, exit 1, no checkpoint, the other hosts waiting for it)."""
+    cfg = tiny_config(tmp_path, stdlib_data, **{"logging.progress_bar": True})
+    p = subprocess.Popen([sys.executable, "train.py", str(cfg), "training.max_steps=6"], cwd=ROOT, env=ENV,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.close()
+    p.stderr.close()
+    assert p.wait(timeout=600) == 0
+    assert sorted(f.name for f in (tmp_path / "run").glob("ckpt_*")) == ["ckpt_00000005.pt", "ckpt_00000006.pt"]
+    assert [m["step"] for m in metrics(tmp_path / "run") if "loss" in m] == [1, 2, 3, 4, 5, 6]
+
+
 def test_sample_never_picks_an_id_past_the_tokenizers_vocabulary(tmp_path, stdlib_data):
     """A model vocabulary rounded up past the tokenizer's (640 rows, 512 tokens): sample.py samples
     among the tokenizer's ids only, even where the rows past it are as likely (temperature 1e30:

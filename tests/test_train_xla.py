@@ -405,16 +405,59 @@ from torch_xla._internal import tpu
 import train_xla
 
 out = {}
-for device, workers in (("TPU", 1), ("TPU", 4), ("CPU", 4)):
+for device, workers, slices in (("TPU", 1, None), ("TPU", 4, None), ("CPU", 4, None), ("TPU", 1, "2"),
+                                ("TPU", 1, "1"), ("CPU", 1, "2")):
     os.environ["PJRT_DEVICE"] = device
+    os.environ.pop("MEGASCALE_NUM_SLICES", None)
+    if slices:  # what the multi-slice runtime is given on every host
+        os.environ["MEGASCALE_NUM_SLICES"] = slices
     tpu.num_tpu_workers = lambda: workers   # the slice's worker count, from the TPU metadata
-    out[f"{device} {workers}"] = train_xla._several_hosts(None)
+    out[f"{device} {workers} {slices}"] = train_xla._several_hosts(None)
 print("REPORT " + json.dumps(out))
 """
 
 
+MASTER_ADDRESS = r"""
+import json, os
+import torch_xla.runtime as xr
+from torch_xla._internal import tpu
+from training.xla_backend import tpu_master_address
+
+xr.use_spmd()
+out = {}
+tpu.discover_master_worker_ip = lambda: "discovered"   # torch_xla's answer (a one-host slice: localhost)
+tpu._using_env_vars = lambda: False
+tpu._get_metadata = lambda key: {"worker-network-endpoints": "t1v-n-1-w-0:2f7a:127.0.0.9"}[key]
+for hosts, workers in ((1, 1), (2, 1), (2, 4)):
+    xr.process_count = lambda: hosts
+    tpu.get_worker_ips = lambda: ["localhost"] if workers == 1 else [f"10.0.0.{i}" for i in range(workers)]
+    out[f"spmd {hosts} {workers}"] = tpu_master_address(True)
+out["ddp 2 1"] = tpu_master_address(False)
+tpu._using_env_vars = lambda: True                     # GKE: the hostnames come in the environment
+os.environ["TPU_WORKER_HOSTNAMES"] = "localhost"
+xr.process_count = lambda: 2
+tpu.get_worker_ips = lambda: ["localhost"]
+out["spmd 2 1 gke"] = tpu_master_address(True)
+print("REPORT " + json.dumps(out))
+"""
+
+
+def test_a_multi_slice_job_of_one_host_slices_finds_process_0s_host():
+    """torch_xla 2.9 answers "localhost" for the rendezvous host when the slice has one worker,
+    also when other slices' hosts are in the job (2 x v6e-8): every other host waited for a store
+    on its own machine. There the address is torch_xla's own all-gather of every process's
+    address over the devices (run here for real on a 4-device mesh, where process 0 is this one),
+    fed this host's address from the TPU metadata or GKE's environment; elsewhere torch_xla's
+    answer stands."""
+    out = script_report(MASTER_ADDRESS, env={**ENV, "CPU_NUM_DEVICES": "4"})
+    assert out == {"spmd 1 1": "discovered", "spmd 2 1": "127.0.0.9", "spmd 2 4": "discovered",
+                   "ddp 2 1": "discovered", "spmd 2 1 gke": "127.0.0.1"}
+
+
 def test_only_a_pod_slice_launches_its_hosts_together():
-    """A failed data check waits for the other hosts' verdict only on a multi-host TPU slice; a
-    single-host TPU VM, or PJRT CPU, refuses alone at once."""
+    """A failed data check waits for the other hosts' verdict only on a multi-host TPU slice or
+    a multi-slice job (whose slices may be one host each: 2 x v6e-8); a single-host TPU VM, or
+    PJRT CPU, refuses alone at once."""
     out = script_report(SEVERAL_HOSTS, env=ENV)
-    assert out == {"TPU 1": False, "TPU 4": True, "CPU 4": False}
+    assert out == {"TPU 1 None": False, "TPU 4 None": True, "CPU 4 None": False, "TPU 1 2": True,
+                   "TPU 1 1": False, "CPU 1 2": False}

@@ -32,7 +32,7 @@ from .config import Config, ConfigError, check_data, config_from_dict, yaml_valu
 from .data import (DataStream, TokenWindows, check_same_tokenizer, data_change_warning, data_fingerprint,
                    eval_batches)
 from .hf import load_initial_weights
-from .monitor import Monitor, claim_log_dir, info
+from .monitor import Monitor, claim_log_dir, info, survive_a_lost_terminal
 from .optim import build_optimizer, lr_at, set_lr
 
 
@@ -703,7 +703,9 @@ class Trainer:
 
 def train(cfg: Config, backend: Backend) -> int:
     """Run (or resume) training as the config says; returns the process exit code. A SIGTERM or
-    Ctrl+C from here on asks for a stop (start-up included), which ``fit`` honours."""
+    Ctrl+C from here on asks for a stop (start-up included), which ``fit`` honours; a terminal
+    lost on the way (the ssh session that started a pod run) does not end it."""
+    survive_a_lost_terminal()
     STOP.install()
     try:
         return Trainer(cfg, backend).fit()

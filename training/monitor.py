@@ -68,6 +68,54 @@ def _words(name: str) -> list[str]:
     return re.findall(r"[a-z0-9]+", name.lower())
 
 
+class _LostTerminalSafe:
+    """stdout or stderr, whose first failing write points its descriptor at /dev/null instead of
+    raising: a pod run started over ssh lost its terminal when the session ended (Ctrl+C on the
+    laptop, a dropped connection), and the master's next progress line raised BrokenPipeError (EIO
+    on a hung-up tty): it died without a checkpoint while the other hosts waited for it. Moving the
+    descriptor, not just this object, also quiets what still writes there: Python's own flush at
+    exit (which turned a clean end into exit code 120) and C++ logs."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text):
+        try:
+            return self._stream.write(text)
+        except OSError:
+            self._to_null()
+            return len(text)
+
+    def flush(self):
+        try:
+            self._stream.flush()
+        except OSError:
+            self._to_null()
+
+    def _to_null(self) -> None:
+        try:
+            null = os.open(os.devnull, os.O_WRONLY)
+            try:
+                os.dup2(null, self._stream.fileno())
+            finally:
+                os.close(null)
+            self._stream.flush()  # what the failed write left in the buffer
+        except (OSError, ValueError):  # no descriptor (a test's capture): drop this stream's output
+            self._stream = open(os.devnull, "w")
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+def survive_a_lost_terminal() -> None:
+    """From here on, a closed stdout or stderr drops this process's output instead of ending it
+    (``_LostTerminalSafe``); the run, its checkpoints and its metrics files go on."""
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if stream is not None and not isinstance(stream, _LostTerminalSafe):
+            setattr(sys, name, _LostTerminalSafe(stream))
+
+
 def info(msg: str) -> None:
     """A line for the user, on stderr so it never mixes with a tqdm bar's redraws."""
     try:

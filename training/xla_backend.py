@@ -445,6 +445,23 @@ def _standing_in(iterable, errors: list):
         yield batch
 
 
+def tpu_master_address(spmd: bool) -> str:
+    """The address of process 0's TPU host, as torch_xla's ``xla://`` rendezvous finds it: the TPU
+    metadata server's list of this slice's workers, and in SPMD an all-gather of every process's
+    address over the devices (TPU device ids do not follow worker ids). torch_xla 2.9 skips that
+    gather when this slice has one worker and answers "localhost": on a multi-slice job of
+    one-host slices (2 x v6e-8) every other host then waited for a store on its own machine for
+    ``training.dist_timeout_s``. There the gather is made with this host's own address."""
+    from torch_xla._internal import tpu
+    if not (spmd and xr.process_count() > 1 and len(tpu.get_worker_ips()) == 1):
+        return tpu.discover_master_worker_ip()
+    if tpu._using_env_vars():  # GKE: TPU_WORKER_HOSTNAMES, "host-0,host-1,..."
+        own = os.environ["TPU_WORKER_HOSTNAMES"].split(",")[0]
+    else:  # "hostname:uid:ip,...", one entry
+        own = tpu._get_metadata("worker-network-endpoints").split(",")[0].split(":")[2]
+    return tpu._spmd_find_master_ip(own)
+
+
 class XLABackend(Backend):
     name = "xla"
 
@@ -532,8 +549,7 @@ class XLABackend(Backend):
                 env.get("TORCH_DIST_INIT_BARRIER") == "0" and env.get("XLA_USE_DUMMY_STORE") == "1"):
             init_gloo("xla://", timeout_s)
             return
-        from torch_xla._internal import tpu
-        host = env.get("MASTER_ADDR") or (tpu.discover_master_worker_ip() if xr.device_type() == "TPU"
+        host = env.get("MASTER_ADDR") or (tpu_master_address(self.spmd) if xr.device_type() == "TPU"
                                           else "localhost")
         port = int(env.get("MASTER_PORT") or 12355)
         timeout = group_timeout(timeout_s) or dist.constants.default_pg_timeout   # gloo's 30 minutes
