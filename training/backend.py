@@ -467,8 +467,10 @@ class TorchBackend(Backend):
         if self.distributed and not self.fsdp:
             from torch.nn.parallel import DistributedDataParallel as DDP
             ids = [self.device.index] if self.device.type == "cuda" else None
-            # the gradients are views into DDP's buckets: without it, the buckets are a second copy
-            model = DDP(model, device_ids=ids, gradient_as_bucket_view=True)
+            # the gradients are views into DDP's buckets: without it, the buckets are a second copy.
+            # No buffer broadcast before every forward: the model's buffers (RoPE tables, mHC's
+            # constants) are computed, the same on every rank, and never change.
+            model = DDP(model, device_ids=ids, gradient_as_bucket_view=True, broadcast_buffers=False)
         return model
 
     def adamw_factory(self):
