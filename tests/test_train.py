@@ -445,6 +445,61 @@ def test_nonfinite_steps_are_skipped_then_the_run_stops(tmp_path, stdlib_data, m
         assert torch.equal(v, ref["model"][k]), k
 
 
+def _train_poisoned(tmp_path, stdlib_data, monkeypatch, poison, **over):
+    """loop.train on CPU with ``poison(model, out, micro_step)`` applied to every training forward's
+    output (1-based micro-steps); returns its exit code."""
+    from training import loop
+    from training.backend import TorchBackend
+    from training.config import load_config
+
+    calls = {"n": 0}
+
+    class Poisoned(loop.NashMHC):
+        def forward(self, idx, targets=None):
+            out = super().forward(idx, targets)
+            if self.training and targets is not None:
+                calls["n"] += 1
+                out = poison(self, out, calls["n"])
+            return out
+
+    monkeypatch.setattr(loop, "NashMHC", Poisoned)
+    cfg = load_config(tiny_config(tmp_path, stdlib_data, **over), ["evaluation.interval=0", "checkpoint.interval=0"])
+    return loop.train(cfg, TorchBackend("cpu"))
+
+
+def test_scattered_nonfinite_steps_do_not_stop_the_run(tmp_path, stdlib_data, monkeypatch):
+    """training.max_nonfinite_steps counts non-finite steps in a row: two at steps 3 and 5 with a
+    limit of 2 are skipped and the run trains to its end (a running total would stop it at 5)."""
+    def nan_at_3_and_5(model, out, n):
+        if n in (3, 5):
+            out.loss = out.loss * float("nan")
+        return out
+
+    code = _train_poisoned(tmp_path, stdlib_data, monkeypatch, nan_at_3_and_5,
+                           **{"training.max_nonfinite_steps": 2, "training.max_steps": 8})
+    rows = metrics(tmp_path / "run")
+    assert code == 0 and [r["step"] for r in rows] == list(range(1, 9))
+    assert [r["nonfinite_skipped"] for r in rows] == [0, 0, 1, 1, 2, 2, 2, 2]
+
+
+def test_a_nonfinite_gradient_under_a_finite_loss_is_skipped(tmp_path, stdlib_data, monkeypatch):
+    """An overflow in the backward alone (the loss finite, one gradient inf) skips the update as a
+    non-finite loss does: applied, it made every weight NaN and every later loss with them."""
+    def inf_gradient_at_3(model, out, n):
+        if n == 3:
+            handle = []
+            def once(g):
+                handle[0].remove()
+                return torch.full_like(g, float("inf"))
+            handle.append(model.tok_emb.weight.register_hook(once))
+        return out
+
+    code = _train_poisoned(tmp_path, stdlib_data, monkeypatch, inf_gradient_at_3, **{"training.max_steps": 6})
+    rows = metrics(tmp_path / "run")
+    assert code == 0 and all(math.isfinite(r["loss"]) for r in rows), rows
+    assert [r["nonfinite_skipped"] for r in rows] == [0, 0, 1, 1, 1, 1]
+
+
 def test_gradients_are_clipped_to_grad_clip_before_the_update(tmp_path, stdlib_data, monkeypatch):
     """training.grad_clip: the optimiser steps with gradients whose global norm is at most the bound,
     while the logged grad_norm is the norm before clipping (here above it every step)."""
@@ -544,6 +599,10 @@ def test_gradient_accumulation_matches_the_larger_batch(tmp_path, stdlib_data):
     assert sorted(a) == sorted(b) == list(range(1, 9))
     for s in a:
         assert abs(a[s] - b[s]) <= 1e-5 * abs(a[s]), (s, a[s], b[s])
+    # the same gradient: its norm as logged (and so as clipped; AdamW alone hides a gradient
+    # scaled by the micro-steps, which grad_clip then cuts that many times harder)
+    for x, y in zip(metrics(one / "run"), metrics(acc / "run"), strict=True):
+        assert abs(x["grad_norm"] - y["grad_norm"]) <= 1e-4 * x["grad_norm"], (x["step"], x, y)
 
 
 def test_tensorboard_and_wandb_offline(tmp_path, stdlib_data):
@@ -950,24 +1009,39 @@ def test_a_bad_batch_on_one_process_stops_every_process_with_its_reason(tmp_path
     assert (lines[-2]["nonfinite_skipped"], lines[-1]["nonfinite_skipped"]) == (0, 1)  # every process
 
 
-def test_a_step_with_a_refused_batch_is_never_saved(tmp_path, stdlib_data):
+# train_xla.py's processes decide together only at agreed steps and log steps
+# (Backend.decides_every_step False): here at log steps only.
+DECIDING_AT_LOG_STEPS = ("from training.backend import TorchBackend\n"
+                         "from training import loop\n"
+                         "TorchBackend.decides_every_step = False\n"
+                         "loop.decision_interval = lambda seconds, log_interval: log_interval\n")
+
+
+@pytest.mark.parametrize("decides, save_every, bad_batch, saved", [
+    ("every step", 1, 3, ["ckpt_00000001.pt", "ckpt_00000002.pt"]),
+    ("at log steps", 2, 4, ["ckpt_00000002.pt"]),
+])
+def test_a_step_with_a_refused_batch_is_never_saved(tmp_path, stdlib_data, decides, save_every, bad_batch, saved):
     """A periodic save at the step of a batch some process could not use ran before the decision
     that stops on it, and committed that step's state (on XLA SPMD across hosts the step can be
     skipped on the refusing host's chips only: a mixed state). The decision comes first now: the
-    run stops with the error, and the last checkpoint is the step before."""
-    cfg = tiny_config(tmp_path, stdlib_data, **{"training.max_steps": 8, "logging.interval": 4,
-                                                "evaluation.interval": 0, "checkpoint.interval": 1})
-    r = run_patched(tmp_path, "from training import data\n"
-                              "from training.config import ConfigError\n"
-                              "real, calls = data.DataStream.__next__, [0]\n"
-                              "def nxt(self):\n"
-                              "    calls[0] += 1\n"
-                              "    if calls[0] == 3:\n"
-                              "        raise ConfigError('train_00000.npy: token 5 is id 9999, not below the vocabulary')\n"
-                              "    return real(self)\n"
-                              "data.DataStream.__next__ = nxt\n", ["train.py", str(cfg)])
+    run stops with the error, and the last checkpoint is the step before; also where processes
+    decide only at log steps (every 8 here), as train_xla.py's do: a save is a decision too."""
+    cfg = tiny_config(tmp_path, stdlib_data, **{"training.max_steps": 8,
+                                                "logging.interval": 4 if decides == "every step" else 8,
+                                                "evaluation.interval": 0, "checkpoint.interval": save_every})
+    r = run_patched(tmp_path, (DECIDING_AT_LOG_STEPS if decides == "at log steps" else "")
+                    + "from training import data\n"
+                      "from training.config import ConfigError\n"
+                      "real, calls = data.DataStream.__next__, [0]\n"
+                      "def nxt(self):\n"
+                      "    calls[0] += 1\n"
+                      f"    if calls[0] == {bad_batch}:\n"
+                      "        raise ConfigError('train_00000.npy: token 5 is id 9999, not below the vocabulary')\n"
+                      "    return real(self)\n"
+                      "data.DataStream.__next__ = nxt\n", ["train.py", str(cfg)])
     assert r.returncode == 2 and "token 5 is id 9999" in r.stderr.splitlines()[-1], r.stderr[-3000:]
-    assert sorted(p.name for p in (tmp_path / "run").glob("ckpt_*")) == ["ckpt_00000001.pt", "ckpt_00000002.pt"]
+    assert sorted(p.name for p in (tmp_path / "run").glob("ckpt_*")) == saved
 
 
 def test_a_save_between_log_steps_counts_the_steps_skipped_since_the_last_log(tmp_path, stdlib_data):

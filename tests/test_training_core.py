@@ -139,6 +139,7 @@ def test_config_unknown_section(tmp_path):
     ("training: {max_steps: 3}\nlogging: {interval: 0}", r"logging.interval=0 must be at least 1$"),
     ("training: {max_steps: 3}\nlogging: {dir: ' '}", r"logging.dir is empty"),
     ("training: {max_steps: 3}\nxla: {mesh: {tp: 0}}", r"xla.mesh axes must be at least 1$"),
+    ("training: {max_steps: 3}\ndata: {num_workers: -1}", r"data.num_workers=-1 must be >= 0$"),
 ])
 def test_config_bad_values_name_the_key(tmp_path, text, match):
     with pytest.raises(ConfigError, match=match) as e:
@@ -926,19 +927,26 @@ def test_muon_is_torch_muon_and_batches_matrices_of_one_shape(monkeypatch):
                for i in range(5))
 
 
-def test_param_groups_exclude_norms_embeddings_and_gates():
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+@pytest.mark.parametrize("tied", [True, False])
+def test_param_groups_exclude_norms_embeddings_and_gates(optimizer, tied):
+    """The embedding and the LM head (one matrix when tied; two when not, as in the 3B config)
+    are neither decayed nor given Muon's orthogonalised update, like norms and gates."""
     from model import ModelConfig, NashMHC
-    m = NashMHC(ModelConfig())
-    cfg = load_config(None, ["training.max_steps=1"]).training
+    m = NashMHC(ModelConfig(tie_embeddings=tied))
+    cfg = load_config(None, ["training.max_steps=1", f"training.optimizer={optimizer}"]).training
     opt = build_optimizer(m, cfg)
     decay, no_decay = opt.param_groups
     assert decay["weight_decay"] > 0 and no_decay["weight_decay"] == 0
     assert all(p.ndim == 2 for p in decay["params"])
-    assert any(p is m.tok_emb.weight for p in no_decay["params"])
+    for vocabulary in (m.tok_emb.weight, m.lm_head.weight):
+        assert any(p is vocabulary for p in no_decay["params"])
+        assert not any(p is vocabulary for p in decay["params"])
     n_all = len({id(p) for p in m.parameters()})
     assert len(decay["params"]) + len(no_decay["params"]) == n_all
     set_lr(opt, 0.5)
-    assert decay["lr"] == pytest.approx(cfg.learning_rate * 0.5)
+    if optimizer == "adamw":
+        assert decay["lr"] == pytest.approx(cfg.learning_rate * 0.5)
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
