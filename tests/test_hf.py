@@ -552,7 +552,16 @@ def test_refusals_are_one_line_and_touch_nothing(tmp_path, stdlib_data, capsys, 
     assert export(tmp_path / "empty", out) == 2
     assert "no checkpoint in this run directory" in one_error_line(capsys.readouterr().err)
 
-    monkeypatch.setattr(export_hf, "TOLERANCE", -1.0)  # a verification that fails: nothing written
+    # an export whose logits are 1% off (its final norm, as a new tensor: the others are the
+    # reference's own) fails the verification: refused, nothing written
+    build = export_hf.build_hf_model
+
+    def one_percent_off(*args, **kwargs):
+        hf = build(*args, **kwargs)
+        hf.model.norm.weight = torch.nn.Parameter(hf.model.norm.weight.detach() * 1.01)
+        return hf
+
+    monkeypatch.setattr(export_hf, "build_hf_model", one_percent_off)
     assert export(good, out) == 2
     assert "export refused" in one_error_line(capsys.readouterr().err)
     monkeypatch.undo()

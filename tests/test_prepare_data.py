@@ -251,12 +251,12 @@ def test_verify_finds_every_file_that_differs_from_meta(stdlib_data, tmp_path, p
     shutil.rmtree(d)
     shutil.copytree(stdlib_data, d)
     a = np.load(train[0])
-    a[7] = meta["vocab_size"] + 3
+    a[7] = meta["vocab_size"]   # ids are 0 .. vocab_size - 1: the first one past them
     np.save(train[0], a)
     meta["splits"]["train"]["shards"][0]["sha256"] = hashlib.sha256(train[0].read_bytes()).hexdigest()
     (d / "meta.json").write_text(json.dumps(meta))
     bad = prepare_data_cli("--verify", d)
-    assert bad.returncode == 1 and f"{train[0]}: token id {meta['vocab_size'] + 3} is past the vocabulary" in bad.stderr
+    assert bad.returncode == 1 and f"{train[0]}: token id {meta['vocab_size']} is past the vocabulary" in bad.stderr
     # ids another tool wrote as int32 (-1 padding would pass a check for ids past the vocabulary)
     shutil.rmtree(d)
     shutil.copytree(stdlib_data, d)
@@ -613,6 +613,16 @@ def test_a_tokenizer_that_would_drop_text_is_refused_before_any_work(stdlib_data
     err = capsys.readouterr().err
     assert "a byte-level tokenizer whose vocabulary lacks" in err and "would be dropped" in err
     assert len(err.strip().splitlines()) == 1 and not (tmp_path / "o1").exists()
+    # the same with ByteLevel inside a Sequence of pre-tokenizers (Llama 3's, GPT-NeoX's form)
+    in_sequence = Tokenizer(models.BPE())
+    in_sequence.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                         pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    in_sequence.train_from_iterator(["plain ascii text only 123"], trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>"]))
+    in_sequence.save(str(tmp_path / "seq.json"))
+    assert run("--input", src, "--tokenizer", tmp_path / "seq.json", "--out", tmp_path / "o1") == 2
+    err = capsys.readouterr().err
+    assert "a byte-level tokenizer whose vocabulary lacks" in err and not (tmp_path / "o1").exists()
 
     cfg = _json.loads((tmp_path / "ascii.json").read_text())
     cfg["model"]["unk_token"] = "<nope>"   # needed for the missing characters, and not in the vocabulary
@@ -711,6 +721,28 @@ def test_overwrite_checks_the_output_again_before_replacing_it(tmp_path, monkeyp
     assert f"--out {out}: holds 'notes.md'" in capsys.readouterr().err
     assert (out / "notes.md").read_text() == "mine"
     assert {k: v for k, v in snapshot(out).items() if k != "notes.md"} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "src"]
+
+
+def test_a_new_output_that_cannot_be_renamed_into_place_leaves_the_old_one_there(tmp_path, monkeypatch, capsys):
+    """--overwrite sets the previous output aside before renaming the new one in: when that rename
+    fails (an I/O error), the previous output goes back to --out, nothing else is left, exit 1."""
+    import errno
+    src = write_docs(tmp_path / "src", {"a.txt": "alpha", "b.txt": "beta"})
+    out = tmp_path / "out"
+    assert run("--input", src, "--vocab-size", 300, "--out", out) == 0
+    before = snapshot(out)
+    real = os.rename
+
+    def rename(a, b):
+        if ".out.partial-" in str(a) and Path(b) == out:
+            raise OSError(errno.EIO, "Input/output error")
+        return real(a, b)
+    monkeypatch.setattr(os, "rename", rename)
+    capsys.readouterr()
+    assert run("--input", src, "--vocab-size", 300, "--val-fraction", 0.5, "--out", out, "--overwrite") == 1
+    assert "Input/output error" in capsys.readouterr().err
+    assert snapshot(out) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "src"]
 
 

@@ -49,6 +49,12 @@ def test_trains_logs_and_checkpoints(tmp_path, stdlib_data):
     assert r.returncode == 0, r.stderr[-2000:]
     first, second = r.stdout.split("----- sample 2 -----")
     assert first.split("\n", 1)[1] == second.split("\n", 1)[1]
+    # --top-k 1 samples among one token: the greedy continuation at any temperature (and
+    # without the k, temperature 1.5 gives another: the check can tell them apart)
+    greedy = r.stdout
+    hot = ["sample.py", str(tmp_path / "run"), "--temperature", "1.5", "--max-new-tokens", "8"]
+    assert run(hot + ["--top-k", "1"]).stdout == greedy
+    assert run(hot + ["--top-k", "0"]).stdout != greedy
     for flag, value, said in (("--top-k", "-5", "must be at least"), ("--num-samples", "0", "must be at least"),
                               ("--temperature", "inf", "must be finite in fp32"),
                               ("--temperature", "1e39", "must be finite in fp32")):

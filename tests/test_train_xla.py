@@ -193,11 +193,36 @@ def test_checkpoints_move_between_trainers(tmp_path, stdlib_data, first, second)
     close(losses(b / "run"), losses(a / "run"), 1e-3, steps=list(range(11, 21)))
 
 
+# Prints, for every 2-D weight a DCP load reads, the largest share of it one read covers.
+LARGEST_READS = r"""
+import json, math
+from training import checkpoint
+safe_reader = checkpoint.safe_reader
+def reporting_reader(path):
+    reader = safe_reader(path)
+    read_data = reader.read_data
+    def read_and_report(plan, planner):
+        sizes, shares = planner.metadata.state_dict_metadata, {}
+        for item in plan.items:
+            fqn = item.storage_index.fqn
+            if fqn.startswith("model.") and len(sizes[fqn].size) == 2:
+                share = math.prod(item.lengths) / math.prod(sizes[fqn].size)
+                shares[fqn] = max(shares.get(fqn, 0.0), share)
+        print("READS " + json.dumps(shares), flush=True)
+        return read_data(plan, planner)
+    reader.read_data = read_and_report
+    return reader
+checkpoint.safe_reader = reporting_reader
+"""
+
+
 @pytest.mark.slow
 def test_spmd_checkpoint_reshards_exactly(tmp_path, stdlib_data):
     """An SPMD run on mesh (2, 2, 1) saves DCP directories (each process its shards, a commit
     marker); step 5's resumes on mesh (1, 4, 1) and on one device (consolidated on load) and
-    both continue the same losses."""
+    both continue the same losses. The mesh (1, 4, 1) reads each weight a device's quarter at a
+    time (torch_xla's SPMD load planner: a host reads what its devices hold), not whole (DCP's
+    default planner: every host reads and holds every tensor)."""
     over = {"training.batch_size": 8, "training.max_steps": 10, "evaluation.interval": 0,
             "checkpoint.interval": 5, "checkpoint.keep": 5}
     env4 = {**ENV, "CPU_NUM_DEVICES": "4"}
@@ -209,7 +234,8 @@ def test_spmd_checkpoint_reshards_exactly(tmp_path, stdlib_data):
     ckpt = a / "run" / "ckpt_00000005"
     assert (ckpt / "checkpoint.json").is_file() and (ckpt / ".metadata").is_file()
     ref = losses(a / "run")
-    for name, args, env in (("fsdp4", ["xla.mode=spmd", "xla.mesh.fsdp=4"], env4), ("one", [], ENV)):
+    reporting = {**patched_env(tmp_path, LARGEST_READS), "CPU_NUM_DEVICES": "4"}
+    for name, args, env in (("fsdp4", ["xla.mode=spmd", "xla.mesh.fsdp=4"], reporting), ("one", [], ENV)):
         d = tmp_path / name
         d.mkdir()
         r = run(["train_xla.py", str(tiny_config(d, stdlib_data, **over)), *args,
@@ -218,6 +244,14 @@ def test_spmd_checkpoint_reshards_exactly(tmp_path, stdlib_data):
         got = losses(d / "run")
         assert sorted(got) == list(range(6, 11)), sorted(got)
         close(got, ref, 1e-5, steps=list(range(6, 11)))  # fp32; only reduction orders differ
+        if name == "fsdp4":
+            reads = [json.loads(ln[len("READS "):]) for ln in r.stdout.splitlines() if ln.startswith("READS ")]
+            largest = {k: max(shares.get(k, 0.0) for shares in reads) for shares_ in reads for k in shares_}
+            # the projections and the embedding (mHC's small phi matrices split unevenly: padded)
+            split = {k: v for k, v in largest.items() if k.endswith((
+                "wq.weight", "wk.weight", "wv.weight", "wo.weight", "w1.weight", "w2.weight", "w3.weight",
+                "tok_emb.weight"))}
+            assert len(split) >= 8 and all(v <= 0.25 for v in split.values()), largest
 
 
 @pytest.mark.parametrize("args", [["train.py"], ["train_xla.py", "xla.mode=spmd"]])

@@ -140,6 +140,9 @@ def test_config_unknown_section(tmp_path):
     ("training: {max_steps: 3}\nlogging: {dir: ' '}", r"logging.dir is empty"),
     ("training: {max_steps: 3}\nxla: {mesh: {tp: 0}}", r"xla.mesh axes must be at least 1$"),
     ("training: {max_steps: 3}\ndata: {num_workers: -1}", r"data.num_workers=-1 must be >= 0$"),
+    # a fraction for a whole number is refused, never truncated (8.0 is 8)
+    ("training: {max_steps: 3, batch_size: 7.9}", r"training.batch_size: expected an integer, got 7.9$"),
+    ("training: {max_steps: 1.5}", r"training.max_steps: expected int or null, got 1.5$"),
 ])
 def test_config_bad_values_name_the_key(tmp_path, text, match):
     with pytest.raises(ConfigError, match=match) as e:

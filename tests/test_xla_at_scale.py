@@ -109,6 +109,14 @@ for name, over in {"batch": ["training.batch_size=6", "xla.mesh.data=2", "xla.me
         errors[name] = None
     except ConfigError as e:
         errors[name] = str(e)
+import training.xla_backend as xb
+usable, xb.jax_usable = xb.jax_usable, lambda: False   # a machine whose jax or torchax does not import
+try:
+    XLABackend(load_config(sys.argv[1], ["xla.mode=spmd", "xla.mesh.fsdp=4", "xla.scan_layers=true"]))
+    errors["scan_no_jax"] = None
+except ConfigError as e:
+    errors["scan_no_jax"] = str(e)
+xb.jax_usable = usable
 out["errors"] = errors
 # log lines run off the loop's thread, in order; an error there reaches the loop at wait_host
 import threading, torch, torch_xla
@@ -206,6 +214,10 @@ def test_launch_checks_refuse_in_one_line_before_compiling(tmp_path, stdlib_data
     assert e["devices"] == "xla.mesh: data x fsdp x tp = 1 x 3 x 1 = 3, but there are 4 devices"
     assert e["scan_dropout"].startswith("xla.scan_layers=true with model.dropout=0.1: torch_xla's scan "
                                         "cannot run dropout")
+    # torch_xla's scan shards its backward with JAX in SPMD: without it, refused at launch (not
+    # a failure inside the first traced step), naming the way out
+    assert e["scan_no_jax"].startswith("xla.scan_layers=true in xla.mode=spmd needs JAX and torchax")
+    assert e["scan_no_jax"].endswith("or set xla.scan_layers=false")
     assert all("\n" not in v for v in e.values())
     assert out["tpu"] == ["TPU v5 lite (4 device(s), spmd mesh (4, 1, 1))", 197e12]
     assert out["seen"] == [[[0.0, 2.0, 4.0], "x", False]] and out.get("raised")
