@@ -153,10 +153,10 @@ def model_card(name: str, model, ckpt: dict, where: Path, why_remote: str | None
         kind = "A Llama-architecture transformer (the Nash-MHC toolkit's baseline: one residual stream, full causal attention)"
         load = f'AutoModelForCausalLM.from_pretrained("{name}")'
         tok_load = f'AutoTokenizer.from_pretrained("{name}")'
-        code = ("It loads as `LlamaForCausalLM`, without remote code. Its `generate` stops at "
-                f"{cfg.max_seq_len} tokens, prompt included, unless given `max_new_tokens`: past them "
-                "it would run at positions the model was never built for (it does not crop the context "
-                "as the toolkit's sample.py does).")
+        code = ("It loads as `LlamaForCausalLM`, without remote code. Its `generate` does not crop the "
+                f"context to the {cfg.max_seq_len} tokens the model was built for, as the toolkit's "
+                "sample.py does: a `max_new_tokens` that takes it past them runs at positions never "
+                "trained.")
     else:
         kind = "A Nash-MHC transformer"
         load = f'AutoModelForCausalLM.from_pretrained("{name}", trust_remote_code=True)'
@@ -310,12 +310,10 @@ def build_hf_model(model, sd: dict, rows: int, spec):
         use_cache = False
     hf.tie_weights()
     # As sample.py: no id past the model's trained rows or the tokenizer's ids (padding rows, which
-    # no text encodes to). The wrapper crops the context to max_seq_len as sample.py does;
-    # LlamaForCausalLM cannot, and would go on at positions never trained: by default it stops there.
+    # no text encodes to).
     untrained = list(range(min(cfg.vocab_size, spec.vocab_size), rows))
     hf.generation_config = GenerationConfig(bos_token_id=spec.bos_id, eos_token_id=spec.eos_id,
                                             pad_token_id=pad, use_cache=use_cache,
-                                            **({"max_length": cfg.max_seq_len} if use_cache else {}),
                                             **({"suppress_tokens": untrained} if untrained else {}))
     return hf
 

@@ -1138,8 +1138,8 @@ def verify(folder: Path) -> tuple[list[str], str]:
         vocab_size, dtype = meta["vocab_size"], np.dtype(meta["dtype"])
         if isinstance(vocab_size, bool) or not isinstance(vocab_size, int):  # Infinity parses as a float
             raise DataError(f"{meta_path}: vocab_size is {vocab_size!r}, not a number of tokens")
-        if dtype not in (np.uint16, np.uint32):  # what prepare() writes, and the trainers read
-            raise DataError(f"{meta_path}: dtype {dtype.name!r}: shards hold token ids as uint16 or uint32")
+        if meta["dtype"] not in ("uint16", "uint32"):  # what prepare() writes, and the trainers read
+            raise DataError(f"{meta_path}: dtype {meta['dtype']!r}: shards hold token ids as uint16 or uint32")
         shards = [(folder / sh["file"], int(sh["tokens"]), str(sh["sha256"]))
                   for split in ("train", "val") for sh in meta["splits"][split]["shards"]]
         tokenizer = (folder / meta["tokenizer_file"], str(meta["tokenizer_sha256"]))

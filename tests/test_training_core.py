@@ -1245,6 +1245,39 @@ def test_a_wandb_or_tensorboard_failing_is_a_warning_and_the_run_logs_on(tmp_pat
     assert [json.loads(ln)["step"] for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
 
 
+def test_a_lost_reader_silences_the_stream_and_a_full_disk_loses_one_line():
+    """stdout/stderr once survive_a_lost_terminal wraps them: a write that finds the reader gone
+    (EPIPE: the ssh session ended) sends everything after it to /dev/null, without raising; any
+    other error (ENOSPC under `> train.log`) loses that write only."""
+    import errno
+
+    from training.monitor import _LostTerminalSafe
+
+    class Stream:   # no descriptor, as under a test's capture: /dev/null is opened instead
+        def __init__(self, fail):
+            self.fail, self.got = fail, []
+
+        def write(self, text):
+            if self.fail:
+                e, self.fail = self.fail, None
+                raise OSError(e, os.strerror(e))
+            self.got.append(text)
+            return len(text)
+
+        def flush(self):
+            pass
+
+        def fileno(self):
+            raise OSError(errno.EBADF, "no descriptor")
+
+    full, gone = Stream(errno.ENOSPC), Stream(errno.EPIPE)
+    for stream in (full, gone):
+        wrapped = _LostTerminalSafe(stream)
+        assert wrapped.write("lost\n") == 5 and wrapped.write("next\n") == 5
+        wrapped.flush()
+    assert full.got == ["next\n"] and gone.got == []
+
+
 @pytest.mark.parametrize("name, peak", [
     ("NVIDIA L40", 181e12), ("NVIDIA L40S", 362e12), ("NVIDIA L4", 121e12),
     ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12), ("NVIDIA H100 NVL", 835e12),

@@ -704,7 +704,8 @@ class Trainer:
 def train(cfg: Config, backend: Backend) -> int:
     """Run (or resume) training as the config says; returns the process exit code. A SIGTERM or
     Ctrl+C from here on asks for a stop (start-up included), which ``fit`` honours; a terminal
-    lost on the way (the ssh session that started a pod run) does not end it."""
+    lost on the way (the ssh session that started a pod run) does not end it (here again for
+    the processes xmp.spawn starts, which do not run ``main``)."""
     survive_a_lost_terminal()
     STOP.install()
     try:
@@ -775,6 +776,7 @@ def main(argv: list[str] | None, make_backend, prog: str, entry: str = "torch",
         except ConfigError:
             if launched_together is None or not launched_together(cfg):
                 raise  # one process: said now, before anything is made
+        survive_a_lost_terminal()  # from the launch on: the hosts' rendezvous can take minutes
         return make_backend(cfg)
     except (ConfigError, CheckpointError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)

@@ -4,6 +4,7 @@ Every other process gets a ``Monitor`` whose methods do nothing, so the loop cal
 """
 from __future__ import annotations
 
+import errno
 import itertools
 import json
 import math
@@ -68,13 +69,18 @@ def _words(name: str) -> list[str]:
     return re.findall(r"[a-z0-9]+", name.lower())
 
 
+# A stream whose reader is gone: a closed pipe or socket, a hung-up terminal.
+_READER_GONE = {errno.EPIPE, errno.ECONNRESET, errno.EIO}
+
+
 class _LostTerminalSafe:
-    """stdout or stderr, whose first failing write points its descriptor at /dev/null instead of
-    raising: a pod run started over ssh lost its terminal when the session ended (Ctrl+C on the
-    laptop, a dropped connection), and the master's next progress line raised BrokenPipeError (EIO
-    on a hung-up tty): it died without a checkpoint while the other hosts waited for it. Moving the
-    descriptor, not just this object, also quiets what still writes there: Python's own flush at
-    exit (which turned a clean end into exit code 120) and C++ logs."""
+    """stdout or stderr that outlives its reader: a pod run started over ssh lost its terminal when
+    the session ended (Ctrl+C on the laptop, a dropped connection), and the master's next progress
+    line raised BrokenPipeError (EIO on a hung-up tty): it died without a checkpoint while the other
+    hosts waited for it. The first write that finds the reader gone points the descriptor at
+    /dev/null; moving the descriptor, not just this object, also quiets what still writes there
+    (Python's own flush at exit, which turned a clean end into exit code 120, and C++ logs). Another
+    error (a full disk under ``> train.log``) loses that write only."""
 
     def __init__(self, stream):
         self._stream = stream
@@ -82,14 +88,18 @@ class _LostTerminalSafe:
     def write(self, text):
         try:
             return self._stream.write(text)
-        except OSError:
-            self._to_null()
+        except OSError as e:
+            self._failed(e)
             return len(text)
 
     def flush(self):
         try:
             self._stream.flush()
-        except OSError:
+        except OSError as e:
+            self._failed(e)
+
+    def _failed(self, e: OSError) -> None:
+        if e.errno in _READER_GONE:
             self._to_null()
 
     def _to_null(self) -> None:

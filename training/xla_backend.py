@@ -451,14 +451,13 @@ def tpu_master_address(spmd: bool) -> str:
     address over the devices (TPU device ids do not follow worker ids). torch_xla 2.9 skips that
     gather when this slice has one worker and answers "localhost": on a multi-slice job of
     one-host slices (2 x v6e-8) every other host then waited for a store on its own machine for
-    ``training.dist_timeout_s``. There the gather is made with this host's own address."""
+    ``training.dist_timeout_s``. There the gather is made with this host's address from the
+    metadata server (GKE, whose environment stands in for it, runs multi-slice on multi-host
+    slices only: torch_xla's answer stands there)."""
     from torch_xla._internal import tpu
-    if not (spmd and xr.process_count() > 1 and len(tpu.get_worker_ips()) == 1):
+    if not (spmd and xr.process_count() > 1 and len(tpu.get_worker_ips()) == 1) or tpu._using_env_vars():
         return tpu.discover_master_worker_ip()
-    if tpu._using_env_vars():  # GKE: TPU_WORKER_HOSTNAMES, "host-0,host-1,..."
-        own = os.environ["TPU_WORKER_HOSTNAMES"].split(",")[0]
-    else:  # "hostname:uid:ip,...", one entry
-        own = tpu._get_metadata("worker-network-endpoints").split(",")[0].split(":")[2]
+    own = tpu._get_metadata("worker-network-endpoints").split(",")[0].split(":")[2]  # "hostname:uid:ip"
     return tpu._spmd_find_master_ip(own)
 
 
