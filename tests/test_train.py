@@ -409,48 +409,6 @@ def test_fsdp2_sigterm_to_one_rank_stops_all_then_resumes_on_one_process_and_on_
         assert abs(xla[step] - one_process[step]) <= 1e-5 * one_process[step], step
 
 
-def test_nonfinite_steps_are_skipped_then_the_run_stops(tmp_path, stdlib_data, monkeypatch):
-    """Losses that turn NaN after step 4: updates skipped, last good weights saved, exit 3."""
-    import model as model_mod
-    from training import loop
-    from training.backend import TorchBackend
-    from training.config import load_config
-
-    calls = {"n": 0}
-
-    class Poisoned(model_mod.NashMHC):
-        def forward(self, idx, targets=None):
-            out = super().forward(idx, targets)
-            if self.training and targets is not None:
-                calls["n"] += 1
-                if calls["n"] > 4:
-                    out.loss = out.loss * float("nan")
-            return out
-
-    monkeypatch.setattr(loop, "NashMHC", Poisoned)
-    cfg = load_config(tiny_config(tmp_path, stdlib_data, **{"training.max_nonfinite_steps": 3}),
-                      ["evaluation.interval=0", "checkpoint.interval=0"])
-    code = loop.train(cfg, TorchBackend("cpu"))
-    assert code == 3
-    rows = metrics(tmp_path / "run")
-    # steps 5, 6 and 7 skipped: the third in a row stops the run there, with one save
-    assert [r["step"] for r in rows] == list(range(1, 8))
-    assert [r["nonfinite_skipped"] for r in rows] == [0, 0, 0, 0, 1, 2, 3]
-    assert [p.name for p in (tmp_path / "run").glob("ckpt_*.pt")] == ["ckpt_00000007.pt"]
-    ck = torch.load(tmp_path / "run" / "ckpt_00000007.pt", weights_only=True)
-    # what it holds is step 4's state: the weights of a run that ended there
-    monkeypatch.undo()
-    ref_dir = tmp_path / "ref"
-    ref_dir.mkdir()
-    ref_cfg = load_config(tiny_config(ref_dir, stdlib_data, **{"training.max_steps": 4}),
-                          ["evaluation.interval=0", "checkpoint.interval=0"])
-    assert loop.train(ref_cfg, TorchBackend("cpu")) == 0
-    ref = torch.load(ref_dir / "run" / "ckpt_00000004.pt", weights_only=True)
-    assert ck["model"].keys() == ref["model"].keys()
-    for k, v in ck["model"].items():
-        assert torch.equal(v, ref["model"][k]), k
-
-
 def _train_poisoned(tmp_path, stdlib_data, monkeypatch, poison, **over):
     """loop.train on CPU with ``poison(model, out, micro_step)`` applied to every training forward's
     output (1-based micro-steps); returns its exit code."""
@@ -471,6 +429,38 @@ def _train_poisoned(tmp_path, stdlib_data, monkeypatch, poison, **over):
     monkeypatch.setattr(loop, "NashMHC", Poisoned)
     cfg = load_config(tiny_config(tmp_path, stdlib_data, **over), ["evaluation.interval=0", "checkpoint.interval=0"])
     return loop.train(cfg, TorchBackend("cpu"))
+
+
+def test_nonfinite_steps_are_skipped_then_the_run_stops(tmp_path, stdlib_data, monkeypatch):
+    """Losses that turn NaN after step 4: updates skipped, last good weights saved, exit 3."""
+    from training import loop
+    from training.backend import TorchBackend
+    from training.config import load_config
+
+    def nan_after_4(model, out, n):
+        if n > 4:
+            out.loss = out.loss * float("nan")
+        return out
+
+    code = _train_poisoned(tmp_path, stdlib_data, monkeypatch, nan_after_4, **{"training.max_nonfinite_steps": 3})
+    assert code == 3
+    rows = metrics(tmp_path / "run")
+    # steps 5, 6 and 7 skipped: the third in a row stops the run there, with one save
+    assert [r["step"] for r in rows] == list(range(1, 8))
+    assert [r["nonfinite_skipped"] for r in rows] == [0, 0, 0, 0, 1, 2, 3]
+    assert [p.name for p in (tmp_path / "run").glob("ckpt_*.pt")] == ["ckpt_00000007.pt"]
+    ck = torch.load(tmp_path / "run" / "ckpt_00000007.pt", weights_only=True)
+    # what it holds is step 4's state: the weights of a run that ended there
+    monkeypatch.undo()
+    ref_dir = tmp_path / "ref"
+    ref_dir.mkdir()
+    ref_cfg = load_config(tiny_config(ref_dir, stdlib_data, **{"training.max_steps": 4}),
+                          ["evaluation.interval=0", "checkpoint.interval=0"])
+    assert loop.train(ref_cfg, TorchBackend("cpu")) == 0
+    ref = torch.load(ref_dir / "run" / "ckpt_00000004.pt", weights_only=True)
+    assert ck["model"].keys() == ref["model"].keys()
+    for k, v in ck["model"].items():
+        assert torch.equal(v, ref["model"][k]), k
 
 
 def test_scattered_nonfinite_steps_do_not_stop_the_run(tmp_path, stdlib_data, monkeypatch):
