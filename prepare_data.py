@@ -42,6 +42,7 @@ import numpy as np
 
 PROG = "prepare_data.py"
 FORMAT_VERSION = 1
+SHARD_DTYPES = ("uint16", "uint32")  # a shard's ids: uint16 when the vocabulary fits (training.data reads these)
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
 N_BYTES = 256  # the byte-level alphabet: every byte has its own token
@@ -891,7 +892,7 @@ def prepare(args: argparse.Namespace, argv: list[str]) -> str:
             warn(f"the tokenizer has {spec.vocab_size} tokens, fewer than --vocab-size "
                  f"{args.vocab_size}: its {tokenizer_meta['sample_bytes']:,}-byte sample has no more "
                  f"pairs to merge")
-    dtype = np.uint16 if spec.vocab_size <= 1 << 16 else np.uint32
+    dtype = np.dtype(SHARD_DTYPES[0] if spec.vocab_size <= 1 << 16 else SHARD_DTYPES[1])
 
     created = [p for p in [out.parent, *out.parent.parents] if not p.exists()]
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -1138,8 +1139,9 @@ def verify(folder: Path) -> tuple[list[str], str]:
         vocab_size, dtype = meta["vocab_size"], np.dtype(meta["dtype"])
         if isinstance(vocab_size, bool) or not isinstance(vocab_size, int):  # Infinity parses as a float
             raise DataError(f"{meta_path}: vocab_size is {vocab_size!r}, not a number of tokens")
-        if meta["dtype"] not in ("uint16", "uint32"):  # what prepare() writes, and the trainers read
-            raise DataError(f"{meta_path}: dtype {meta['dtype']!r}: shards hold token ids as uint16 or uint32")
+        if meta["dtype"] not in SHARD_DTYPES:  # what prepare() writes, and the trainers read
+            raise DataError(f"{meta_path}: dtype {meta['dtype']!r}: shards hold token ids as "
+                            f"{' or '.join(SHARD_DTYPES)}")
         shards = [(folder / sh["file"], int(sh["tokens"]), str(sh["sha256"]))
                   for split in ("train", "val") for sh in meta["splits"][split]["shards"]]
         tokenizer = (folder / meta["tokenizer_file"], str(meta["tokenizer_sha256"]))

@@ -2,6 +2,7 @@
 seeded per-epoch order that can resume at the exact sample on any number of replicas."""
 from __future__ import annotations
 
+import hashlib
 import json
 import signal
 from collections import OrderedDict
@@ -74,9 +75,9 @@ def tokenizer_difference(ckpt: dict, tokenizer_json: Path) -> str | None:
     ``tokenizer_json`` differs from the tokenizer the checkpoint was trained with (its data's
     tokenizer.json sha256, recorded since fb250af), as "its tokenizer.json (sha256 ...) is not byte
     for byte the one the checkpoint was trained with (...)" (an earlier export's tokenizer.json,
-    rewritten without its post-processor, differs in bytes, not in tokens); None when they are the same bytes, or when the
-    checkpoint records none (older ones) or the file is missing (the caller says so)."""
-    import hashlib
+    rewritten without its post-processor, differs in bytes, not in tokens); None when they are
+    the same bytes, or when the checkpoint records none (older ones) or the file is missing (the
+    caller says so)."""
     recorded = (ckpt.get("data") or {}).get("tokenizer_sha256")
     if not recorded or not Path(tokenizer_json).is_file():
         return None
@@ -92,8 +93,8 @@ def tokenizer_difference(ckpt: dict, tokenizer_json: Path) -> str | None:
 # under the usual limit of 1,024 (100B tokens at the default 100M tokens a shard).
 OPEN_SHARDS = 32
 
-# What a shard may hold (prepare_data.py writes uint16 when the vocabulary fits, else uint32): ids
-# that are never negative and are exact as int64, which the embedding takes.
+# What a shard may hold: prepare_data.SHARD_DTYPES (the training core does not import the data
+# tool), ids that are never negative and are exact as int64, which the embedding takes.
 SHARD_DTYPES = ("uint16", "uint32")
 
 
