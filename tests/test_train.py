@@ -318,6 +318,81 @@ def test_muon_orthogonalises_fsdp2_shards_as_whole_matrices(tmp_path):
     assert (tmp_path / "ok0").exists() and (tmp_path / "ok1").exists(), r.stdout
 
 
+FSDP2_BUILD = f"""
+import sys
+sys.path.insert(0, {str(ROOT)!r})
+import torch, torch.distributed as dist
+from types import SimpleNamespace
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from model import ModelConfig, NashMHC
+from training.backend import TorchBackend
+backend = TorchBackend("cpu", fsdp=True)
+rank = backend.rank
+for over in ({{}}, {{"tie_embeddings": False, "mhc_lite": False}}):
+    cfg = ModelConfig(vocab_size=96, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64, **over)
+    torch.manual_seed(1234)
+    built = backend.new_model(lambda: NashMHC(cfg))
+    held = {{p.device.type for p in built.parameters()}}
+    assert held == ({{"cpu"}} if rank == 0 else {{"meta"}}), (rank, held)
+    torch.manual_seed(1234)
+    ref = NashMHC(cfg)  # what one process builds
+    model = backend.prepare_model(built, SimpleNamespace(training=SimpleNamespace(precision="fp32", compile=False)))
+    local = sum(p.to_local().numel() for p in model.parameters())
+    assert local < 0.6 * ref.num_params(), (rank, local, ref.num_params())  # its shards only
+    whole = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    assert whole.keys() == ref.state_dict().keys()
+    for k, v in ref.state_dict().items():
+        assert torch.equal(whole[k], v), (rank, k)
+    assert (model.lm_head.weight is model.tok_emb.weight) == cfg.tie_embeddings
+    idx = torch.randint(0, 96, (2, 64), generator=torch.Generator().manual_seed(7))
+    got, want = model(idx, idx).loss, ref(idx, idx).loss  # the derived buffers (RoPE, mHC's) too
+    assert torch.allclose(got, want, rtol=1e-5, atol=0), (rank, got, want)
+open(f"{{sys.argv[1]}}/ok{{rank}}", "w").close()
+dist.destroy_process_group()
+"""
+
+
+@needs_torchrun
+def test_fsdp2_ranks_past_0_build_no_weights_and_receive_their_shards(tmp_path):
+    """Under FSDP2 rank 0 alone builds the model in host memory; the other ranks build it on the
+    meta device, and after prepare_model every rank holds only its shards, which together are
+    exactly one process's initial weights (tied and untied heads, mHC-lite and Sinkhorn), with
+    the derived buffers made (the loss matches). Every rank used to build the whole fp32 model."""
+    script = tmp_path / "build.py"
+    script.write_text(FSDP2_BUILD)
+    r = subprocess.run([TORCHRUN, "--standalone", "--nproc_per_node=2", str(script), str(tmp_path)], cwd=ROOT,
+                       env=ENV, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (tmp_path / "ok0").exists() and (tmp_path / "ok1").exists(), r.stdout
+
+
+@needs_torchrun
+@pytest.mark.slow
+def test_fsdp2_init_from_is_read_by_rank_0_alone(tmp_path, stdlib_data):
+    """checkpoint.init_from under FSDP2: rank 0 reads and checks the weights and the other ranks
+    receive their shards of them (here rank 1 cannot read the file at all), and the run trains as
+    one process from the same weights with the global batch does."""
+    over = {"training.max_steps": 3, "checkpoint.interval": 0, "evaluation.interval": 0}
+    for name in ("source", "one", "two"):
+        (tmp_path / name).mkdir()
+    r = run(["train.py", str(tiny_config(tmp_path / "source", stdlib_data, **over))])
+    assert r.returncode == 0, r.stderr[-3000:]
+    init = f"checkpoint.init_from={tmp_path / 'source' / 'run'}"
+    r = run(["train.py", str(tiny_config(tmp_path / "one", stdlib_data, **over)), init])
+    assert r.returncode == 0, r.stderr[-3000:]
+    script = patched_script(tmp_path, RANK_1_CANNOT_READ, [
+        "train.py", tiny_config(tmp_path / "two", stdlib_data, **{**over, "training.fsdp": True}), init,
+        "training.batch_size=2"])
+    proc = subprocess.run([TORCHRUN, "--standalone", "--nproc_per_node=2", str(script)], cwd=ROOT,
+                          env=ENV, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and "FSDP2 over 2 processes" in proc.stderr, proc.stderr[-3000:]
+    a, b = losses(tmp_path / "one" / "run"), losses(tmp_path / "two" / "run")
+    assert sorted(a) == sorted(b) == [1, 2, 3]
+    for step in a:  # fp32: only the order of the gradient sums differs
+        assert abs(a[step] - b[step]) <= 1e-5 * abs(a[step]), (step, a[step], b[step])
+    assert a[1] < losses(tmp_path / "source" / "run")[1] - 0.1  # the same first batch, trained weights
+
+
 def same_window_data(d: Path, seq_len: int) -> Path:
     """A data directory (meta.json and one shard per split, as prepare_data.py lays them out)
     whose every window of ``seq_len + 1`` tokens is the same: tokens with period ``seq_len``."""

@@ -264,7 +264,9 @@ class Trainer:
 
         # -- the model and the resume point ------------------------------------------------------
         seed_everything(t_cfg.seed)
-        model = NashMHC(cfg.model)  # same seed on every process: identical initial weights
+        # same seed on every process: identical initial weights (or, under FSDP2, rank 0's only)
+        model = backend.new_model(lambda: NashMHC(cfg.model))
+        holds_weights = not next(model.parameters()).is_meta
         self.state = RunState()
         self.checkpointer = Checkpointer(self.run_dir, cfg.checkpoint.keep, backend, self.log_line,
                                          async_save=cfg.checkpoint.async_)
@@ -273,17 +275,19 @@ class Trainer:
             error = claim_log_dir(self.log_dir, self.run_dir) if backend.is_master else None
             backend.host.raise_together(ConfigError(error) if error else None, ConfigError)
         if resumed is None and cfg.checkpoint.init_from:
-            error = None
-            try:
-                init_path, init = load_initial_weights(cfg.checkpoint.init_from, warn=self.log_line)
-                check_resume_compatible(cfg, init, init_path, optimizer=False)
-                check_same_tokenizer(init, self.meta, init_path, cfg.data.dir)
-            except (CheckpointError, ConfigError) as e:
-                error = e
+            error = init = None
+            if holds_weights:  # under FSDP2 rank 0 alone reads and checks them, and sends them
+                try:
+                    init_path, init = load_initial_weights(cfg.checkpoint.init_from, warn=self.log_line)
+                    check_resume_compatible(cfg, init, init_path, optimizer=False)
+                    check_same_tokenizer(init, self.meta, init_path, cfg.data.dir)
+                except (CheckpointError, ConfigError) as e:
+                    error = e
             backend.host.raise_together(error, CheckpointError)  # all stop, or none
-            model.load_state_dict(init["model"])
-            self.log_line(f"initial weights from {init_path}")
-            del init
+            if init is not None:
+                model.load_state_dict(init["model"])
+                self.log_line(f"initial weights from {init_path}")
+                del init
         self.finished = False
         self.saved_step = None  # the step of this run's latest save
         # The schedule's position is the step, or with a token budget the tokens trained on in
