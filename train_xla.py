@@ -23,6 +23,7 @@ from concurrent.futures.process import BrokenProcessPool
 
 from training.checkpoint import first_line
 from training.config import check_xla, xla_ignores
+from training.data import stop_signals_taken
 from training.loop import STOP, main, train
 
 
@@ -106,7 +107,8 @@ _FORWARDED: list[int] = []  # the signals the launcher passed on, in order
 
 
 def _forward_signals_to_workers() -> None:
-    """The launcher passes SIGTERM/SIGINT on to the worker processes, which stop and save."""
+    """The launcher passes the stop signals on to the worker processes, which stop and save (a
+    hang-up that the launcher was started ignoring, ``nohup``, the workers ignore too)."""
     def forward(signum, frame):
         _FORWARDED.append(signum)
         for child in multiprocessing.active_children():
@@ -114,8 +116,8 @@ def _forward_signals_to_workers() -> None:
                 os.kill(child.pid, signum)
             except ProcessLookupError:
                 pass
-    signal.signal(signal.SIGTERM, forward)
-    signal.signal(signal.SIGINT, forward)
+    for sig in stop_signals_taken():
+        signal.signal(sig, forward)
 
 
 WORKER_GRACE_S = 10.0  # how long the other replicas may take to end after one failed

@@ -141,13 +141,14 @@ def wait_for_a_signal_at_step(step: int, marker: Path, rank: str | None = None) 
             "Trainer.train_step = train_step_waiting_for_a_signal\n")
 
 
-def sigterm_during_step(step: int, rank: str | None = None) -> str:
+def sigterm_during_step(step: int, rank: str | None = None, name: str = "SIGTERM") -> str:
     """A ``patched_script`` patch: the process (only torchrun's RANK ``rank``, if given) sends
-    itself SIGTERM as optimiser step ``step`` starts (1-based), from inside the run."""
+    itself SIGTERM (or the signal ``name``) as optimiser step ``step`` starts (1-based), from
+    inside the run."""
     only = f' and os.environ.get("RANK") == "{rank}"' if rank is not None else ""
     return ("import os, signal\nfrom training.loop import Trainer\ntrain_step = Trainer.train_step\n"
             "def train_step_with_a_signal(self, lr):\n"
             f"    if self.state.step == {step - 1}{only}:\n"
-            "        os.kill(os.getpid(), signal.SIGTERM)\n"
+            f"        os.kill(os.getpid(), signal.{name})\n"
             "    return train_step(self, lr)\n"
             "Trainer.train_step = train_step_with_a_signal\n")

@@ -884,6 +884,26 @@ Checkpointer.restore = restore_with_a_signal
 """
 
 
+def test_a_hang_up_stops_and_saves_and_under_nohup_is_ignored(tmp_path, stdlib_data):
+    """A terminal's hang-up (the ssh session of a run started without nohup ended) stops the run
+    at that step with a save, exit 0; it used to kill it with nothing saved. Started under nohup,
+    the run ignores it and trains to the end."""
+    over = {"training.max_steps": 6, "checkpoint.interval": 0, "evaluation.interval": 0}
+    for name, prefix in (("tty", []), ("nohup", ["nohup"])):
+        (tmp_path / name).mkdir()
+        script = patched_script(tmp_path / name, sigterm_during_step(3, name="SIGHUP"),
+                                ["train.py", tiny_config(tmp_path / name, stdlib_data, **over)])
+        r = subprocess.run([*prefix, sys.executable, str(script)], cwd=ROOT, env=ENV, capture_output=True,
+                           text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        saved = sorted(p.name for p in (tmp_path / name / "run").glob("ckpt_*"))
+        if name == "tty":
+            assert "SIGHUP received" in r.stderr and "stopped at step 3 after SIGHUP" in r.stderr, r.stderr[-3000:]
+            assert saved == ["ckpt_00000003.pt"] and max(losses(tmp_path / name / "run")) == 3
+        else:
+            assert "SIGHUP" not in r.stderr and saved == ["ckpt_00000006.pt"], r.stderr[-3000:]
+
+
 def test_a_stop_during_start_up_exits_cleanly_before_training(tmp_path, stdlib_data):
     """A SIGTERM while a resumed run loads its checkpoint (start-up: before the training loop)
     is a stop like any other: exit 0 with one line, nothing trained or saved. Before, the stop

@@ -1333,6 +1333,30 @@ def test_one_ctrl_c_delivered_twice_is_one_stop_and_a_later_one_exits(monkeypatc
     assert exits == [130]
 
 
+def test_a_hang_up_is_a_stop_unless_the_process_was_started_ignoring_it():
+    """SIGHUP (the terminal of an ssh session that ended; torchrun passes it on to its workers)
+    asks for a stop and a save like SIGTERM: by default it killed the run without a save. A
+    process started under nohup (SIGHUP ignored) keeps ignoring it, and restore() puts back what
+    was there."""
+    import signal
+
+    from training import loop
+
+    before = signal.getsignal(signal.SIGHUP)
+    try:
+        for start, taken in ((signal.SIG_DFL, True), (signal.SIG_IGN, False)):
+            signal.signal(signal.SIGHUP, start)
+            stop = loop.StopRequested().install()
+            assert (signal.getsignal(signal.SIGHUP) == stop._handle) is taken
+            assert signal.getsignal(signal.SIGTERM) == signal.getsignal(signal.SIGINT) == stop._handle
+            os.kill(os.getpid(), signal.SIGHUP)  # the handler runs in this (the main) thread
+            assert stop.requested is taken and stop.signal_name == ("SIGHUP" if taken else "")
+            stop.restore()
+            assert signal.getsignal(signal.SIGHUP) == start
+    finally:
+        signal.signal(signal.SIGHUP, before)
+
+
 def test_a_stop_signal_during_a_write_to_stderr_is_taken_not_a_crash(monkeypatch, capfd):
     """A signal handler runs between two bytecodes of the main thread, which may be inside a write
     to sys.stderr (a log line, tqdm's redraw). Python's buffered streams refuse a reentrant write
@@ -1379,8 +1403,9 @@ def test_dropout_seeds_differ_by_replica_and_step_and_repeat():
 
 
 def test_data_workers_leave_stop_signals_to_the_trainer(stdlib_data):
-    """A Ctrl+C or a process-group SIGTERM reaches the DataLoader workers too; they must live on
-    until the trainer has saved and closes them (one that died ended the run before the save)."""
+    """A Ctrl+C, a terminal's hang-up or a process-group SIGTERM reaches the DataLoader workers
+    too; they must live on until the trainer has saved and closes them (one that died ended the
+    run before the save)."""
     import signal
 
     stream = DataStream(TokenWindows(stdlib_data, "train", 32), batch_size=4, num_replicas=1, rank=0,
@@ -1388,8 +1413,8 @@ def test_data_workers_leave_stop_signals_to_the_trainer(stdlib_data):
     x0, _ = next(stream)
     workers = stream._it._workers
     for w in workers:
-        os.kill(w.pid, signal.SIGINT)
-        os.kill(w.pid, signal.SIGTERM)
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            os.kill(w.pid, sig)
     for w in workers:
         w.join(timeout=1.0)
     assert all(w.is_alive() for w in workers)

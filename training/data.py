@@ -266,29 +266,40 @@ class ResumableSampler(DistributedSampler):
         return max(0, (usable - self.start - self.rank + self.num_replicas - 1) // self.num_replicas)
 
 
+# The signals that ask a run to stop and save (training.loop.StopRequested): Ctrl+C, a
+# preemption or kill, and a terminal's hang-up (an ssh session that ended; torchrun passes a
+# SIGHUP on to its workers too).
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM) + ((signal.SIGHUP,) if hasattr(signal, "SIGHUP") else ())
+
+
+def stop_signals_taken() -> tuple:
+    """The stop signals this process acts on: a hang-up that it was started ignoring (``nohup``)
+    is left ignored, or a nohup'd run would stop when its terminal goes."""
+    return tuple(s for s in STOP_SIGNALS
+                 if s in (signal.SIGINT, signal.SIGTERM) or signal.getsignal(s) != signal.SIG_IGN)
+
+
 def ignore_stop_signals(worker_id: int) -> None:
-    """A DataLoader worker's ``worker_init_fn``: SIGINT and SIGTERM are the trainer's to handle.
-    A terminal's Ctrl+C, or a SIGTERM to the whole process group (a scheduler's preemption),
-    reaches the workers too; one that died of it would end the run with "DataLoader worker exited
-    unexpectedly" before the trainer saves. The trainer stops them itself (``DataStream.close``),
-    and a worker whose trainer is gone exits on its own (DataLoader's watchdog)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    """A DataLoader worker's ``worker_init_fn``: the stop signals are the trainer's to handle.
+    A terminal's Ctrl+C or hang-up, or a SIGTERM to the whole process group (a scheduler's
+    preemption), reaches the workers too; one that died of it would end the run with "DataLoader
+    worker exited unexpectedly" before the trainer saves. The trainer stops them itself
+    (``DataStream.close``), and a worker whose trainer is gone exits on its own (DataLoader's
+    watchdog)."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
     if hasattr(signal, "pthread_sigmask"):  # blocked while the worker started (see _start_workers)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
-
-
-_STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
 def _start_workers(make):
-    """``make()`` (a DataLoader iterator, which starts its worker processes) with SIGINT and
-    SIGTERM blocked in this thread: the workers inherit the block, which holds until their
+    """``make()`` (a DataLoader iterator, which starts its worker processes) with the stop
+    signals blocked in this thread: the workers inherit the block, which holds until their
     ``ignore_stop_signals`` runs (a spawned worker imports torch first, seconds with default
     handlers otherwise). A signal that comes meanwhile reaches this process once unblocked."""
     if not hasattr(signal, "pthread_sigmask"):
         return make()
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
         return make()
     finally:

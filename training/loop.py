@@ -29,19 +29,20 @@ from model import NashMHC
 from .backend import Backend
 from .checkpoint import FORMAT_VERSION, Checkpointer, CheckpointError, release_run_lock, rng_state, set_rng_state
 from .config import Config, ConfigError, check_data, config_from_dict, yaml_value
-from .data import (DataStream, TokenWindows, check_same_tokenizer, data_change_warning, data_fingerprint,
-                   eval_batches)
+from .data import (DataStream, TokenWindows, check_same_tokenizer, data_change_warning,
+                   data_fingerprint, eval_batches, stop_signals_taken)
 from .hf import load_initial_weights
 from .monitor import Monitor, claim_log_dir, info, survive_a_lost_terminal
 from .optim import build_optimizer, lr_at, set_lr
 
 
 class StopRequested:
-    """SIGTERM/SIGINT: stop at the next decision point (every step in one process, the next log
-    step with several: all processes stop at the same step), save, exit 0. A second SIGINT exits
-    at once, unless it comes within ``SAME_INTERRUPT_S`` of the first: one Ctrl+C reaches a worker
-    twice, from the terminal (its process group) and from the launcher that passes it on
-    (torchrun, train_xla.py's xmp.spawn), and must not count as two."""
+    """SIGTERM/SIGINT/SIGHUP: stop at the next decision point (every step in one process, the next
+    log step with several: all processes stop at the same step), save, exit 0. A second SIGINT
+    exits at once, unless it comes within ``SAME_INTERRUPT_S`` of the first: one Ctrl+C reaches a
+    worker twice, from the terminal (its process group) and from the launcher that passes it on
+    (torchrun, train_xla.py's xmp.spawn), and must not count as two. A SIGHUP that the process
+    was started ignoring (``nohup``) stays ignored: a hang-up then is no stop."""
 
     SAME_INTERRUPT_S = 1.0
 
@@ -54,7 +55,7 @@ class StopRequested:
     def install(self) -> "StopRequested":
         if self._old:
             return self
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in stop_signals_taken():
             try:
                 self._old[sig] = signal.signal(sig, self._handle)
             except ValueError:  # not the main thread
