@@ -404,6 +404,9 @@ def test_optimizer_state_and_gradients_over_data_x_fsdp():
     np.testing.assert_allclose(zero["grad_norms"], fsdp_only["grad_norms"], rtol=1e-5,
                                atol=1e-5 * max(fsdp_only["grad_norms"]))
     assert zero["param_bytes"] == fsdp_only["param_bytes"]
+    # every gradient laid out like its weight: left to GSPMD since the activations are annotated,
+    # the sharded weights' gradients came out whole on every device (twice these bytes here)
+    assert fsdp_only["grad_bytes"] == fsdp_only["param_bytes"]
     for key in ("grad_bytes", "state_bytes"):
         assert zero[key] < 0.6 * fsdp_only[key], key  # 1/2, but 1-D tensors stay replicated
     for run, over in ((fsdp_only, False), (zero, True)):

@@ -649,9 +649,9 @@ class XLABackend(Backend):
         return XLAAdamW
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """SPMD: shard the optimiser state like its parameter (FSDP), and with
-        ``xla.shard_optimizer_over_data`` over data x fsdp, the gradients too (ZeRO-2);
-        replicated parameters' gradients whole; Muon orthogonalises whole matrices
+        """SPMD: shard the optimiser state and the gradients like their parameter (FSDP), and
+        with ``xla.shard_optimizer_over_data`` over data x fsdp (ZeRO-2); replicated parameters'
+        gradients whole; Muon orthogonalises whole matrices
         (``_lay_out_by_matrix``)."""
         if not self.spmd:
             return
@@ -663,12 +663,15 @@ class XLABackend(Backend):
                 for v in optimizer.state[p].values():
                     if torch.is_tensor(v) and v.shape == p.shape and v.device == p.device and v.ndim:
                         self.xs.mark_sharding(v, self.mesh, spec)
-                if (self._over_data or id(p) not in self._specs) and p.ndim and id(p) not in self._grad_hooks:
-                    # Annotate each gradient as autograd stores it. ZeRO-2: XLA then reduce-scatters
-                    # it over data x fsdp instead of all-reducing it over data, and it stays that
-                    # way between accumulation micro-steps. A replicated parameter's (gates, norms,
-                    # biases, per-head temperatures): whole, one all-reduce; left to GSPMD, some
-                    # came out split (log_tau by heads over tp) and the update gathered each.
+                if p.ndim and id(p) not in self._grad_hooks:
+                    # Annotate each gradient as autograd stores it, like its optimiser state. A
+                    # sharded weight's: XLA reduce-scatters it (over data x fsdp with ZeRO-2) and it
+                    # stays sharded between accumulation micro-steps; left to GSPMD's propagation
+                    # since the activations are annotated, every one came out whole on each device
+                    # (fsdp 4: 4x the gradient memory, an all-reduce instead of a reduce-scatter).
+                    # A replicated parameter's (gates, norms, biases, per-head temperatures):
+                    # whole, one all-reduce; left to GSPMD, some came out split (log_tau by heads
+                    # over tp) and the update gathered each.
                     self._grad_hooks[id(p)] = p.register_post_accumulate_grad_hook(
                         functools.partial(self._shard_grad, spec=spec))
 
