@@ -22,16 +22,17 @@ Variants (same width and depth; max_seq_len = --seq):
 
 The step is forward + backward + AdamW (no clipping), fp32, batch --batch x seq --seq, on:
   eager    PyTorch eager on the CPU with --threads intra-op threads, torch's fused AdamW (train.py's CPU step)
-  compile  train.py's training.compile: each block's forward torch.compile'd (fullgraph, inductor,
-           CPU; every block reuses the first's graph), the rest eager, fused AdamW; a fresh inductor
-           cache, so the warm-up is a real compilation
+  compile  train.py's training.compile (which train.py applies on CUDA only), run on the CPU here:
+           each block's forward torch.compile'd (fullgraph, inductor, CPU; every block reuses the
+           first's graph), the rest eager, fused AdamW; a fresh inductor cache, so the warm-up is a
+           real compilation
   xla      PJRT CPU as train_xla.py runs it: training.xla_backend.XLABackend places the model, the
            AdamW of the backend (torch_xla's fused update per parameter), one XLA graph per step
            (torch_xla.sync()); a step ends when its loss reaches the host
 Every backend runs in its own process. In it, every variant first takes one step alone (its
 "warm-up": compilation included, after a tiny model has been compiled once so that one-time costs
-of the compiler land on none of them), then all take turns, one step each per round, so a change
-in the machine's load hits them alike: the median over --repeats rounds after --warmup rounds, as
+of the compiler land on none of them), then all take turns, one step each per round (every other
+round in reverse), so a change in the machine's load hits them alike: the median over --repeats rounds after --warmup rounds, as
 wall time and as the process's CPU time. "x baseline" divides by the baseline measured in the same
 process. The component split: mhc-only and nash-only against the baseline. Warm-ups in one
 process are not independent: a kernel whose source an earlier variant already compiled is not
@@ -172,12 +173,14 @@ def reset_peak_rss() -> bool:
 
 
 def interleaved(steps: dict, warmup: int, repeats: int, sync=None) -> dict:
-    """Call every step once per round, in turn; median wall and process-CPU seconds after ``warmup``.
-    ``sync`` (e.g. torch.cuda.synchronize) brackets every call."""
+    """Call every step once per round, in turn (every other round in reverse order, so that
+    neither going first nor following a given step favours one); median wall and process-CPU
+    seconds after ``warmup``. ``sync`` (e.g. torch.cuda.synchronize) brackets every call."""
     wall = {k: [] for k in steps}
     cpu = {k: [] for k in steps}
+    order = list(steps.items())
     for r in range(warmup + repeats):
-        for k, fn in steps.items():
+        for k, fn in (order if r % 2 == 0 else order[::-1]):
             if sync:
                 sync()
             w0, c0 = time.perf_counter(), time.process_time()
@@ -358,8 +361,10 @@ def backend_worker(args) -> dict:
     # A tiny model first: the compilers' one-time costs (imports, C++ toolchain checks) land here;
     # --cold leaves them in the variant's first step, as a launch's first step has them.
     if not args.cold:
+        # (a vocabulary no one measures: a requested shape the same as this one would find the
+        # baseline compiled already, its warm-up 0)
         tiny = argparse.Namespace(**{**vars(args), "d_model": 32, "n_heads": 2, "n_kv_heads": 2, "n_layers": 1,
-                                     "batch": 1, "seq": 64, "vocab": 64, "window": 16})
+                                     "batch": 1, "seq": 64, "vocab": 67, "window": 16})
         make("baseline", tiny)[0]()
     gcc = gcc_timer() if args.compile_split else None
     steps, results = {}, {}
@@ -786,9 +791,10 @@ def main(argv=None) -> int:
     if given - {"--loss-steps"} and not args.loss_steps:
         print(f"error: {', '.join(sorted(given))} apply with --loss-steps N (the loss comparison)", file=sys.stderr)
         return 2
-    if min(args.batch, args.seq, args.repeats, args.threads, args.warmup_rounds) < 1 or args.warmup < 0:
-        print("error: --batch, --seq, --repeats, --threads and --warmup-rounds must be >= 1, --warmup >= 0",
-              file=sys.stderr)
+    if min(args.batch, args.seq, args.repeats, args.threads, args.warmup_rounds) < 1 or \
+            min(args.warmup, args.loss_steps) < 0:
+        print("error: --batch, --seq, --repeats, --threads and --warmup-rounds must be >= 1, --warmup and "
+              "--loss-steps >= 0", file=sys.stderr)
         return 2
     try:
         for v in args.variants:

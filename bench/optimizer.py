@@ -74,7 +74,8 @@ The XLA sections' batch (``--batch`` per device x ``--devices`` sequences of ``-
 split over data x fsdp, as train_xla.py's loader splits it (their figures before the activations
 section came from a batch every device held whole).
 
-Prints one JSON object: ``{"fsdp2": ..., "ddp": ..., "spmd": ..., "zero": ..., "activations": ..., "tp": ...}``.
+Prints one JSON object as the last line of stdout (gloo writes its connection lines there first):
+``{"fsdp2": ..., "ddp": ..., "spmd": ..., "zero": ..., "activations": ..., "tp": ...}``.
 """
 from __future__ import annotations
 
@@ -501,6 +502,14 @@ def main(argv=None) -> int:
     # an XLA section's child process
     ap.add_argument("--xla-here", choices=XLA_SECTIONS, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    sections = ("fsdp2", "ddp", *XLA_SECTIONS)
+    unknown = [s for s in args.only.split(",") if s not in sections]
+    if unknown:
+        ap.error(f"--only {args.only}: no section {', '.join(unknown)} (sections: {', '.join(sections)})")
+    small = [f"--{k.replace('_', '-')}" for k in ("d_model", "layers", "procs", "batch", "seq", "repeats", "devices")
+             if getattr(args, k) < 1]
+    if small:
+        ap.error(f"{', '.join(small)} must be at least 1")
     if (args.model_root or args.scan_layers) and "tp" not in args.only.split(","):
         ap.error("--model-root and --scan-layers are the tp section's: add tp to --only")
     if args.model_root and not (Path(args.model_root) / "model.py").is_file():
