@@ -1210,4 +1210,8 @@ def _terminate(signum, frame):
 
 if __name__ == "__main__":
     signal.signal(signal.SIGTERM, _terminate)
+    # a terminal's hang-up too, unless started under nohup: the staging directory (as large as the
+    # output) was left behind
+    if hasattr(signal, "SIGHUP") and signal.getsignal(signal.SIGHUP) != signal.SIG_IGN:
+        signal.signal(signal.SIGHUP, _terminate)
     sys.exit(main())
