@@ -388,8 +388,13 @@ for name, over in {"fsdp_tp": ["xla.mesh.fsdp=2", "xla.mesh.tp=2"],
     for same in groups.values():
         stack = torch.stack([p.detach() * 1 for p in same])
         opt.lay_out_by_matrix(stack, same)
+        back = opt.lay_out_by_matrix(stack * 1, same, back=True)
+        like_state = torch.stack([p.detach() * 1 for p in same])
+        backend.xs.mark_sharding(like_state, backend.mesh, (None, *backend._state_spec(same[0])))
         out[name].append([sorted({names[id(p)].split(".")[-2] for p in same}),
-                          torch_xla._XLAC._get_xla_sharding_spec(stack)])
+                          torch_xla._XLAC._get_xla_sharding_spec(stack),
+                          torch_xla._XLAC._get_xla_sharding_spec(back),
+                          torch_xla._XLAC._get_xla_sharding_spec(like_state)])
 print("REPORT " + json.dumps(out))
 """
 
@@ -400,17 +405,23 @@ def test_spmd_muon_orthogonalises_whole_matrices(tmp_path, stdlib_data):
     mesh axes the matrices' state is split over; the matrices whole), not by rows, whose
     Newton-Schulz products XLA would all-reduce at each iteration (bench/optimizer.py): over
     fsdp x tp for the tensor-parallel projections, over fsdp alone (replicated over tp) for mHC's,
-    over data x fsdp as well where the optimiser state is (xla.shard_optimizer_over_data)."""
+    over data x fsdp as well where the optimiser state is (xla.shard_optimizer_over_data). The
+    orthogonalised stack goes back to the state's layout as a whole (one resharding), before
+    the update takes it apart by matrix: taken apart by matrix from the layout by matrix, each
+    matrix went whole to every device first under ZeRO-2 (37 "involuntary full
+    rematerialization"s of XLA's at 4 layers; 4, of another tensor, with it)."""
     cfg = tiny_config(tmp_path, stdlib_data, **SMALL)
     out = script_report(MUON_LAYOUT, cfg, env=SPMD)
     tp_parallel = {"wq", "wk", "wv", "wo", "w1", "w2", "w3"}
-    assert len(out["fsdp_tp"]) >= 4 and {m for mods, _ in out["fsdp_tp"] for m in mods} >= tp_parallel | {"phi"}
-    for modules, spec in out["fsdp_tp"]:
+    assert len(out["fsdp_tp"]) >= 4 and {m for mods, *_ in out["fsdp_tp"] for m in mods} >= tp_parallel | {"phi"}
+    for modules, spec, _, _ in out["fsdp_tp"]:
         whole = "{devices=[4,1,1]0,1,2,3}" if set(modules) <= tp_parallel else \
             "{devices=[2,1,1,2]0,1,2,3 last_tile_dim_replicate}"
         assert spec == whole, (modules, spec)
     # fsdp-major, as the matrices' state (training/sharding.py): mesh devices (data, fsdp) in the order f * 2 + d
-    assert all(spec == "{devices=[4,1,1]0,2,1,3}" for _, spec in out["zero2"]), out["zero2"]
+    assert all(spec == "{devices=[4,1,1]0,2,1,3}" for _, spec, _, _ in out["zero2"]), out["zero2"]
+    for modules, by_matrix, back, like_state in out["fsdp_tp"] + out["zero2"]:
+        assert back == like_state != by_matrix, (modules, back, like_state)
 
 
 BATCH_LAYOUT = r"""

@@ -167,8 +167,8 @@ def orthogonalised(m: torch.Tensor, steps: int, lay_out=None, spread=None) -> to
     rules issued 136 collectives per optimiser step for a 4-layer model under 2-process FSDP2, and
     10x the bytes (bench/optimizer.py). ``lay_out(t)`` is a backend's annotation of the same
     layout (XLA SPMD: the layer dimension sharded over the matrices' mesh axes), applied to the
-    stack and to the result: XLA then moves whole matrices instead of all-reducing a Gram
-    product at each iteration. ``spread``: the process group of DDP replicas, which all hold the
+    stack and to the result, which ``lay_out(t, back=True)`` returns laid out as the stack came:
+    XLA then moves whole matrices instead of all-reducing a Gram product at each iteration. ``spread``: the process group of DDP replicas, which all hold the
     same stack (the gradients are all-reduced): each orthogonalises its share of the matrices
     and one all-gather gives every replica all of them, instead of each doing all the work."""
     if spread is not None:
@@ -177,7 +177,7 @@ def orthogonalised(m: torch.Tensor, steps: int, lay_out=None, spread=None) -> to
         lay_out(m)
         o = newton_schulz(m, steps)
         lay_out(o)
-        return o
+        return lay_out(o, back=True)
     if not hasattr(m, "full_tensor"):
         return newton_schulz(m, steps)
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -209,9 +209,9 @@ class Muon(AdamW):
     Muon: Nesterov momentum, orthogonalised by Newton-Schulz, scaled by sqrt(max(1, rows/cols)),
     decoupled weight decay (``torch.optim.Muon``'s algorithm, with Newton-Schulz in fp32 where torch
     runs it in bf16). Skips the whole update (state included) where ``found_inf`` is 1.
-    ``lay_out_by_matrix(stack, params)``, set by a backend whose matrices are sharded by
-    annotation (XLA SPMD), lays a stack of ``params``' updates out by whole matrices
-    (``orthogonalised``); ``spread_over``, set by a backend of DDP replicas (train.py under
+    ``lay_out_by_matrix(stack, params, back=False)``, set by a backend whose matrices are sharded
+    by annotation (XLA SPMD), lays a stack of ``params``' updates out by whole matrices, and with
+    ``back`` returns it laid out like their state again (``orthogonalised``); ``spread_over``, set by a backend of DDP replicas (train.py under
     torchrun), is their process group, over which each shape's Newton-Schulz work is shared.
 
     Matrices of one shape (the same projection in every layer) are orthogonalised together, as one

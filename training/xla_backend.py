@@ -683,7 +683,7 @@ class XLABackend(Backend):
         """The partition spec of ``p``'s gradient and optimiser state (training/sharding.py)."""
         return state_partition_spec(self._specs.get(id(p)), self._over_data) or (None,) * p.ndim
 
-    def _lay_out_by_matrix(self, stack: torch.Tensor, params: list) -> None:
+    def _lay_out_by_matrix(self, stack: torch.Tensor, params: list, back: bool = False):
         """Shard a stack ``[L, rows, cols]`` of ``params``' updates by matrix: its layer dimension
         over every mesh axis their state is sharded over, the matrices whole (Muon's Newton-Schulz;
         XLA pads L up to a multiple of the devices). Split by rows over fsdp, the matrices made XLA
@@ -691,12 +691,21 @@ class XLABackend(Backend):
         fsdp 4, the update alone: 5 all-reduces of the whole [8, 256, 256] product; by matrix, two
         all-to-alls). bench/optimizer.py --only spmd, a training step of 8 layers at d_model 512
         on fsdp 4: 386 MB of collective results per device instead of 1,273, 1.59 s instead of
-        2.69 (README, "Compilation and host syncs on XLA")."""
+        2.69 (README, "Compilation and host syncs on XLA").
+
+        ``back``: the orthogonalised stack, returned laid out like the matrices' state (each matrix
+        split as its weight's state is), in one resharding. Taken apart by matrix from the layout
+        by matrix, each matrix went whole to every device first where the state is split over more
+        than fsdp (ZeRO-2's data x fsdp, tp): XLA's "involuntary full rematerialization"."""
+        if back:
+            spec = (None, *self._state_spec(params[0]))
+            return self.xs.annotate_custom_sharding(stack, self.mesh, spec).global_tensor
         used = {a for p in params for axis in self._state_spec(p) if axis
                 for a in (axis if isinstance(axis, tuple) else (axis,))}
         axes = tuple(a for a in ("fsdp", "data", "tp") if a in used)   # the state's order (sharding.py)
         if axes:
             self.xs.mark_sharding(stack, self.mesh, (axes, None, None))
+        return stack
 
     def _shard_grad(self, param: torch.Tensor, spec: tuple) -> None:
         self.xs.mark_sharding(param.grad, self.mesh, spec)
