@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -16,8 +17,9 @@ import pytest
 import torch
 
 from helpers import ENV, ROOT, losses, run, tiny_config
-from training.checkpoint import (MARKER, Checkpointer, CheckpointError, checkpoint_path, find_latest,
-                                 list_checkpoints, load_checkpoint, read_dcp_metadata, rng_state)
+from training.checkpoint import (MARKER, Checkpointer, CheckpointError, atomic_torch_save, checkpoint_digest,
+                                 checkpoint_path, find_latest, list_checkpoints, load_checkpoint, read_dcp_metadata,
+                                 rng_state)
 
 
 # -- a tiny model and optimiser, saved through the real backend ----------------------------------
@@ -697,3 +699,157 @@ def test_a_checkpoint_dir_one_process_cannot_write_is_refused_by_all_for_sharded
         assert all(r["error"].startswith(want) and r["error"].endswith("-1'") for r in res), res
         assert res[0] == res[1]
     assert [p.name for p in (tmp_path / "run").iterdir()] == ([".lock"] if fmt == "file" else [])  # no probe
+
+
+def test_an_atomic_write_fsyncs_the_temporary_file_before_the_rename(tmp_path, monkeypatch):
+    """A file with a final name is complete on disk: its bytes are fsynced under the temporary
+    name before the rename (without, a power loss after the rename can leave an empty or torn
+    ckpt_*.pt that resume: auto takes for the newest checkpoint)."""
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", str(src), str(dst)))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    path = tmp_path / "ckpt_00000001.pt"
+    atomic_torch_save({"x": torch.ones(3)}, path)
+    renames = [e for e in events if e[0] == "replace"]
+    assert len(renames) == 1 and renames[0][2] == str(path)
+    tmp = renames[0][1]
+    assert Path(tmp).name.startswith(".ckpt_00000001.pt.tmp-")
+    assert events.index(("fsync", tmp)) < events.index(renames[0])   # the data, before the name
+    assert events[-1] == ("fsync", str(tmp_path))                     # then the directory entry
+
+
+def test_a_failed_atomic_write_leaves_no_temporary_file(tmp_path):
+    """A write that fails (a full disk, an object torch cannot save) removes its temporary file:
+    next to consolidate's OUT nothing ever cleans it up (a multi-GB file on a full disk)."""
+    with pytest.raises(Exception):
+        atomic_torch_save({"f": lambda: 0}, tmp_path / "model.pt")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_save_asked_to_wait_is_written_before_it_returns_even_with_async(tmp_path):
+    """The last save of a run (wait=True) is written in the caller's thread and committed when
+    save() returns, with checkpoint.async too: in a background daemon thread it would be lost
+    when the process exits right after."""
+    model, opt, backend, ck = _setup(False, True, tmp_path)
+    write, threads = ck._write_file, []
+
+    def recording_write(path, obj):
+        threads.append(threading.current_thread())
+        return write(path, obj)
+
+    ck._write_file = recording_write
+    path = ck.save(_meta(5), model, opt, "final", wait=True)
+    assert threads == [threading.current_thread()]
+    assert list_checkpoints(tmp_path) == [(5, path)]
+
+
+def test_a_save_that_fails_deletes_no_older_checkpoint(tmp_path):
+    """Rotation runs after the new checkpoint is committed, never before: with keep=1 a save that
+    fails (a full disk) must leave the previous checkpoint, the only one to resume from."""
+    model, opt, backend, ck = _setup(False, run_dir=tmp_path, keep=1)
+    first = ck.save(_meta(2), model, opt, "test", wait=True)
+    write = ck._write_file
+
+    def full_disk(path, obj):
+        raise OSError(28, "No space left on device")
+
+    ck._write_file = full_disk
+    with pytest.raises(CheckpointError, match="No space left on device"):
+        ck.save(_meta(4), model, opt, "test", wait=True)
+    assert list_checkpoints(tmp_path) == [(2, first)]
+    ck._write_file = write
+    second = ck.save(_meta(6), model, opt, "test", wait=True)
+    assert list_checkpoints(tmp_path) == [(6, second)]   # keep: 1
+
+
+def test_a_sharded_save_over_a_committed_one_of_the_same_step_uncommits_it_first(tmp_path, monkeypatch):
+    """A DCP save into the directory of an earlier committed save of the same step removes that
+    one first: if the new save then fails half-way, the old marker must not make the mix of old
+    and new shards look committed."""
+    import torch.distributed.checkpoint as dcp
+    model, opt, backend, ck = _setup(True, run_dir=tmp_path)
+    path = ck.save(_meta(3), model, opt, "test", wait=True)
+    assert (path / MARKER).is_file()
+
+    def dies_half_way(*args, **kwargs):
+        (path / "__0_0.distcp").write_bytes(b"half")
+        raise RuntimeError("the writer died")
+
+    monkeypatch.setattr(dcp, "save", dies_half_way)
+    with pytest.raises(CheckpointError, match="the writer died"):
+        ck.save(_meta(3), model, opt, "test", wait=True)
+    assert list_checkpoints(tmp_path) == [] and not (path / MARKER).exists()
+
+
+def test_the_digest_of_a_file_tells_checkpoints_apart_by_their_tail(tmp_path):
+    """checkpoint_digest reads a file's first and last ``window`` bytes: two checkpoints that
+    differ only past the first window (the tensors; the zip's directory at its end records
+    their CRCs) get different digests, copies the same."""
+    a, b, copy = (tmp_path / d / "ckpt_00000003.pt" for d in ("a", "b", "copy"))   # one name: torch.save's
+    for p in (a, b, copy):                                                          # records are named after it
+        p.parent.mkdir()
+    torch.save({"model": {"w": torch.zeros(4096)}}, a)
+    torch.save({"model": {"w": torch.ones(4096)}}, b)
+    assert a.stat().st_size == b.stat().st_size and a.read_bytes()[:256] == b.read_bytes()[:256]
+    copy.write_bytes(a.read_bytes())
+    assert checkpoint_digest(a, window=256) == checkpoint_digest(copy, window=256)
+    assert checkpoint_digest(a, window=256) != checkpoint_digest(b, window=256)
+
+
+def test_a_format_1_optimizer_state_of_another_parameter_count_is_refused(tmp_path):
+    """Format 1 keys the optimiser state by index: a state saved for another number of parameters
+    cannot be mapped to names and is refused in one line (it was mapped index by index onto the
+    wrong parameters, or failed with an IndexError)."""
+    from training.checkpoint import optimizer_state_by_name
+    model, opt, backend, _ = _setup(False, run_dir=tmp_path)
+    state = opt.state_dict()
+    assert set(optimizer_state_by_name(model, opt, state)["state"]) == {n for n, _ in model.named_parameters()}
+    fewer = {"state": {i: v for i, v in state["state"].items() if i > 0},
+             "param_groups": [{**state["param_groups"][0], "params": state["param_groups"][0]["params"][1:]},
+                              *state["param_groups"][1:]]}
+    with pytest.raises(CheckpointError, match=r"^the checkpoint's optimizer has \d+ parameters, this one \d+$"):
+        optimizer_state_by_name(model, opt, fewer)
+
+
+def test_a_shard_one_byte_short_is_refused_when_peeked(tmp_path):
+    """read_dcp_metadata checks that every entry lies within its shard file (offset + length),
+    not only that it starts there: a shard that lost its last byte is refused at the peek and
+    resume: auto takes the one before, instead of failing in the middle of the restore."""
+    from training.checkpoint import find_latest, peek_checkpoint
+    model, opt, backend, ck = _setup(True, run_dir=tmp_path)
+    good = ck.save(_meta(2), model, opt, "test", wait=True)
+    path = ck.save(_meta(4), model, opt, "test", wait=True)
+    for shard in path.glob("*.distcp"):
+        shard.write_bytes(shard.read_bytes()[:-1])
+    with pytest.raises(CheckpointError, match="missing or truncated$"):
+        peek_checkpoint(path)
+    warned = []
+    assert find_latest(tmp_path, warn=warned.append)[0] == good and len(warned) == 1
+
+
+def test_resume_auto_falls_back_past_a_newest_checkpoint_that_does_not_load(tmp_path):
+    """checkpoint.resume=auto: a corrupt newest checkpoint is reported and the one before it
+    resumed (the corrupt one is not a checkpoint 'ahead' of the start, as it is for a path)."""
+    model, opt, backend, ck = _setup(False, run_dir=tmp_path, keep=5)
+    good = ck.save(_meta(2), model, opt, "test", wait=True)
+    checkpoint_path(tmp_path, 4).write_bytes(b"not a checkpoint")
+    path, meta = ck.find("auto")
+    assert path == good and meta["step"] == 2
+
+
+def test_a_failed_dcp_save_is_said_by_its_first_failing_process(tmp_path):
+    from torch.distributed.checkpoint.api import CheckpointException
+    _, _, _, ck = _setup(False, run_dir=tmp_path)
+    e = CheckpointException("ranks", {3: (OSError(28, "No space left on device"), None),
+                                      1: (OSError(5, "Input/output error"), None)})
+    assert ck._why(e).startswith("process 1: [Errno 5] Input/output error; ")

@@ -258,3 +258,24 @@ def test_a_node_without_its_data_stops_every_node_at_once(tmp_path, stdlib_data)
     missing = tmp_path / "not_copied_here"
     results = two_nodes(tmp_path, cfg, [[], [f"data.dir={missing}"]])
     assert_both_refuse(results, f"data.dir: {missing} does not exist (run prepare_data.py first) (found by process 1)")
+
+
+def test_the_lists_of_keys_and_processes_end_in_dots_only_when_something_is_left_out():
+    a = {"training.learning_rate": 0.001, "checkpoint.interval": 5, "model.d_model": 64}
+    two = {**a, "training.learning_rate": 0.002, "checkpoint.interval": 3}
+    assert config_difference([a, two], shown=1).endswith(
+        "(and 1 more key(s): checkpoint.interval); every process must run the same config file and overrides")
+    same, other = launch_entry("abc", "{}", ""), launch_entry("xyz", "{}", "")
+    assert "process(es) 1, 2, 3, 4, 5, 6, 7, 8 than" in launch_verdict([same] + [other] * 8, "/d")
+    assert "process(es) 1, 2, 3, 4, 5, 6, 7, 8, ... than" in launch_verdict([same] + [other] * 9, "/d")
+
+
+def test_the_problem_a_process_brings_comes_before_its_data_check(tmp_path, stdlib_data):
+    """agree_at_launch's ``problem`` (the backend's own finding, e.g. its share of the mesh
+    checks) is the verdict; check_data's error on the same process does not replace it."""
+    from training.data import data_fingerprint
+    fp = data_fingerprint(json.loads((stdlib_data / "meta.json").read_text()))
+    cfg = tiny_config(tmp_path, stdlib_data)
+    missing = load_config(cfg, [f"data.dir={tmp_path / 'none'}"])
+    with pytest.raises(ConfigError, match=r"^xla.mesh: 8 devices, 4 here \(found by process 0\)$"):
+        agree_at_launch(ScriptedHost([load_config(cfg, [])], fp), missing, problem="xla.mesh: 8 devices, 4 here")

@@ -673,3 +673,33 @@ def test_xla_ddp_plans_one_replica_per_chip_of_the_slice(monkeypatch, tmp_path, 
     assert P.layout_for(load_config(cfg, over), "xla", None, kind).replicas == replicas
     other = "v5p" if kind != "v5p" else "v4"
     assert P.layout_for(load_config(cfg, over), "xla", None, other).replicas == (nprocs or 1)
+
+
+def test_the_micro_batch_levers_keep_the_tokens_per_step():
+    """'same tokens per step': each halving of training.batch_size doubles the accumulation, and
+    an odd micro-batch is not halved (6 -> 3, then no further: 3 // 2 would drop a sequence)."""
+    cfg = load_config(ROOT / "configs" / "demo.yaml", ["model.mhc_streams=1", "model.nash_scales=1",
+                                                        "training.batch_size=6"])
+    plan, trace = P.make_plan(cfg, "torch", P.device_for("a100-40", "torch"), world_size=2, margin=0.99999)
+    levers = [dict(o.split("=") for o in lev.overrides) for lev in P.find_levers(plan, "torch", trace)]
+    batch = [lev for lev in levers if "training.batch_size" in lev]
+    assert [lev["training.batch_size"] for lev in batch] == ["3"], levers
+    for lev in batch:
+        assert int(lev["training.batch_size"]) * int(lev["training.gradient_accumulation_steps"]) == \
+            cfg.training.batch_size * cfg.training.gradient_accumulation_steps, lev
+
+
+def test_the_levers_stop_at_the_first_that_fits():
+    """A lever that makes the config fit is the last one offered: the ones after it cost
+    throughput (recomputation) for nothing."""
+    cfg = load_config(ROOT / "configs" / "demo.yaml")
+    device = P.device_for("v5e", "xla")
+    plan, trace = P.make_plan(cfg, "xla", device, margin=0.9999)
+    levers = P.find_levers(plan, "xla", trace)
+    assert len(levers) >= 3 and levers[1].peak < levers[0].peak, [(lev.overrides, lev.peak) for lev in levers]
+    between = (levers[0].peak + levers[1].peak) / 2   # a chip on which the second lever fits, the first not
+    plan, trace = P.make_plan(cfg, "xla", device, margin=1 - between / device.memory)
+    got = P.find_levers(plan, "xla", trace)
+    assert [lev.overrides for lev in got] == [lev.overrides for lev in levers[:2]]
+    assert got[0].peak > plan.usable >= got[1].peak
+

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from training.checkpoint import (FORMAT_VERSION, CheckpointError, atomic_torch_save, checkpoint_path,
                                  find_resume, list_checkpoints, load_checkpoint, rotate)
-from training.config import ConfigError, check_data, load_config, schema_markdown
+from training.config import ConfigError, check_data, check_xla, load_config, schema_markdown
 from training.data import DataStream, ResumableSampler, TokenWindows
 from training.optim import AdamW, Muon, build_optimizer, lr_at, set_lr
 
@@ -1425,3 +1425,52 @@ def test_data_workers_leave_stop_signals_to_the_trainer(stdlib_data):
     assert all(w.exitcode is None for w in workers)
     stream.close()
 
+
+def test_an_override_yaml_cannot_read_is_the_text_written():
+    """A value YAML cannot parse (a flow bracket left open, a reserved first character) is, for a
+    text key, the text as typed, and one '=' splits the key from the value (a run name may hold
+    '=')."""
+    cfg = load_config(None, ["training.max_steps=1", "checkpoint.dir=runs/{a", "logging.wandb.run_name=@night",
+                             "data.dir=lr=3e-4"])
+    assert (cfg.checkpoint.dir, cfg.logging.wandb.run_name, cfg.data.dir) == ("runs/{a", "@night", "lr=3e-4")
+    # YAML reads '#3' as a comment (null): a text key keeps the text; only null's own words are null
+    assert load_config(None, ["training.max_steps=1", "logging.wandb.run_name=#3"]).logging.wandb.run_name == "#3"
+
+
+@pytest.mark.parametrize("override, match", [
+    ("training.learning_rate=.inf", r"^training.learning_rate: expected a finite number, got inf$"),
+    ("training.grad_clip=.nan", r"^training.grad_clip: expected a finite number, got nan$"),
+    ("data.seq_len=0", r"^data.seq_len=0 must be positive$"),
+    ("xla.mesh.dcn_data=3", r"^xla.mesh.dcn_data=3 does not divide xla.mesh.data=1 "),
+    ("xla.nprocs=4", r"^xla.nprocs=4: torch_xla 2.9's xmp.spawn accepts only null"),
+    ("training.compile=1", r"^training.compile: expected true or false, got 1$"),
+    ("training.warmup_steps=1e19", r"^training.warmup_steps: expected an integer, got 1e\+19$"),
+])
+def test_override_values_outside_the_schema_are_refused(override, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, ["training.max_steps=1", override])
+
+
+def test_the_bounds_the_help_allows_are_accepted():
+    """min_lr_ratio 1 (no decay) and logging.peak_flops 0 (look the peak up) are in range."""
+    cfg = load_config(None, ["training.max_steps=1", "training.min_lr_ratio=1", "logging.peak_flops=0"])
+    assert cfg.training.min_lr_ratio == 1.0 and cfg.logging.peak_flops == 0.0
+
+
+def test_an_spmd_batch_must_divide_over_data_times_fsdp():
+    cfg = load_config(None, ["training.max_steps=1", "xla.mode=spmd", "xla.mesh.data=2", "xla.mesh.fsdp=4",
+                             "training.batch_size=6"])
+    with pytest.raises(ConfigError, match=r"^training.batch_size=6 is the global batch .* = 8 devices$"):
+        check_xla(cfg)
+
+
+def test_a_split_without_shards_is_refused(tmp_path, stdlib_data):
+    import json
+    import shutil
+    from training.config import check_data
+    shutil.copytree(stdlib_data, tmp_path / "data")
+    meta = json.loads((tmp_path / "data" / "meta.json").read_text())
+    meta["splits"]["val"]["shards"] = []
+    (tmp_path / "data" / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(ConfigError, match=r"meta.json: no 'val' shards$"):
+        check_data(load_config(None, ["training.max_steps=1", f"data.dir={tmp_path / 'data'}"]))
