@@ -32,17 +32,17 @@ The step is forward + backward + AdamW (no clipping), fp32, batch --batch x seq 
 Every backend runs in its own process. In it, every variant first takes one step alone (its
 "warm-up": compilation included, after a tiny model has been compiled once so that one-time costs
 of the compiler land on none of them), then all take turns, one step each per round (every other
-round in reverse), so a change in the machine's load hits them alike: the median over --repeats rounds after --warmup rounds, as
-wall time and as the process's CPU time. "x baseline" divides by the baseline measured in the same
-process. The component split: mhc-only and nash-only against the baseline. Warm-ups in one
-process are not independent: a kernel whose source an earlier variant already compiled is not
-compiled again (inductor's in-process code cache), so every variant after the first would warm up
-faster than alone. The compile backend therefore measures each variant's warm-up again in a
-worker of its own (fresh cache, after the tiny model): "warm-up" is that figure. Each round also
-times each variant's first step in a fresh process and an empty cache without the tiny model: a
-first launch's first step, the compiler's one-time set-up included in both (~9 s on 2 cores here;
-most of it, not in inductor's on-disk cache, every later launch pays again); the report gives it
-beside the warm-up.
+round in reverse), so a change in the machine's load hits them alike: the median over --repeats
+rounds after --warmup rounds, as wall time and as the process's CPU time. "x baseline" divides by
+the baseline measured in the same process. The component split: mhc-only and nash-only against the
+baseline. Warm-ups in one process are not independent: a kernel whose source an earlier variant
+already compiled is not compiled again (inductor's in-process code cache), so every variant after
+the first would warm up faster than alone. The compile backend therefore measures each variant's
+warm-up again in a worker of its own (fresh cache, after the tiny model): "warm-up" is that
+figure. Each round also times each variant's first step in a fresh process and an empty cache
+without the tiny model: a first launch's first step, the compiler's one-time set-up included in
+both (~9 s on 2 cores here; most of it, not in inductor's on-disk cache, every later launch pays
+again); the report gives it beside the warm-up.
 
 torch.compile's warm-up by phase (--compile-split, instead of the timing): each variant alone in
 a fresh process and inductor cache with TORCHINDUCTOR_COMPILE_THREADS=1, so every C++ compiler call

@@ -852,7 +852,8 @@ def machine_info() -> dict:
     return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(mem, 1) if mem else None,
             "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
             "python": platform.python_version(), "torch": version("torch"), "torch_xla": version("torch_xla"),
-            "os": platform.platform(), "git_commit": commit + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")}
+            "os": platform.platform(),
+            "git_commit": commit + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")}
 
 
 def _ms(s: float) -> str:

@@ -310,8 +310,14 @@ def test_muon_orthogonalises_fsdp2_shards_as_whole_matrices(tmp_path):
     (counted by DTensor's CommDebugMode), and each process keeps its rows of exactly the whole
     stack's Newton-Schulz. Run on the row shards, DTensor's rules redistribute at each of
     Newton-Schulz's 15 products (bench/optimizer.py)."""
-    script = tmp_path / "orthogonalise.py"
-    script.write_text(ORTHOGONALISE_SHARDS)
+    run_on_two_processes(ORTHOGONALISE_SHARDS, tmp_path)
+
+
+def run_on_two_processes(script_text: str, tmp_path: Path) -> None:
+    """``script_text`` under torchrun, 2 gloo processes, given ``tmp_path``: each must exit 0
+    and leave ``ok<RANK>`` there (its checks passed)."""
+    script = tmp_path / "script.py"
+    script.write_text(script_text)
     r = subprocess.run([TORCHRUN, "--standalone", "--nproc_per_node=2", str(script), str(tmp_path)], cwd=ROOT,
                        env=ENV, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -358,12 +364,7 @@ def test_fsdp2_ranks_past_0_build_no_weights_and_receive_their_shards(tmp_path):
     meta device, and after prepare_model every rank holds only its shards, which together are
     exactly one process's initial weights (tied and untied heads, mHC-lite and Sinkhorn), with
     the derived buffers made (the loss matches). Every rank used to build the whole fp32 model."""
-    script = tmp_path / "build.py"
-    script.write_text(FSDP2_BUILD)
-    r = subprocess.run([TORCHRUN, "--standalone", "--nproc_per_node=2", str(script), str(tmp_path)], cwd=ROOT,
-                       env=ENV, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert (tmp_path / "ok0").exists() and (tmp_path / "ok1").exists(), r.stdout
+    run_on_two_processes(FSDP2_BUILD, tmp_path)
 
 
 @needs_torchrun
