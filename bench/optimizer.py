@@ -1,10 +1,12 @@
 """Muon's optimiser step over sharded matrices: collectives, bytes and time per step, under
-train.py's FSDP2 and under train_xla.py's SPMD; the layout of SPMD's ZeRO-2 optimiser state; and
-SPMD's activations, annotated with the batch's split or left to XLA's propagation.
+train.py's FSDP2 and under train_xla.py's SPMD (fsdp, and ZeRO-2); the layout of SPMD's ZeRO-2
+optimiser state; and SPMD's activations, annotated with the batch's split or left to XLA's
+propagation.
 
     .venv/bin/python bench/optimizer.py                          # d_model 512, 8 layers, 7 repeats, all
     .venv/bin/python bench/optimizer.py --only spmd --d-model 256 --layers 4 --repeats 5
     .venv/bin/python bench/optimizer.py --only zero --d-model 256 --layers 4 --repeats 5
+    .venv/bin/python bench/optimizer.py --only muon_zero --d-model 128 --layers 4 --repeats 5
     .venv/bin/python bench/optimizer.py --only activations,zero --d-model 256 --layers 4 --batch 2 --seq 256 --repeats 5
     .venv/bin/python bench/optimizer.py --only tp --d-model 256 --layers 4 --batch 2 --seq 256 --repeats 5 --model-root /tmp/before [--scan-layers]
 
@@ -57,6 +59,13 @@ Two models with the same weights, steps interleaved (two untimed). Per form and 
 collectives and their result bytes on one device; the median step time; the largest weight
 difference between the forms after all steps.
 
+muon_zero: the zero section's mesh and graphs with Muon: ``back`` (what the backend does: each
+shape's orthogonalised stack laid out like its state again in one resharding before the update
+takes it apart by matrix, ``XLABackend._lay_out_by_matrix(..., back=True)``) against ``sliced``
+(taken apart straight from the layout by matrix, as before: XLA's partitioner warns of an
+"involuntary full rematerialization" per matrix, each made whole on every device first).
+Measured as the zero section's forms.
+
 activations: the same mesh, AdamW (ZeRO-2 as by default): ``constrained`` (what the backend does: the
 activations into and out of every Linear, out of the embedding and around every block annotated
 with the batch's split, ``XLABackend._shard_activations``) against ``propagated`` (no annotation:
@@ -99,7 +108,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils._pytree import tree_leaves  # noqa: E402
 
 FORMS = ("by_matrix", "gathered", "per_product", "tensor_op_adamw")
-XLA_SECTIONS = ("spmd", "zero", "activations", "tp")
+XLA_SECTIONS = ("spmd", "zero", "muon_zero", "activations", "tp")
 
 
 class Collectives(TorchDispatchMode):
@@ -431,6 +440,31 @@ def _zero(args) -> dict:
             **out, "data_major_over_fsdp_major": ms["data_major"] / ms["fsdp_major"]}
 
 
+def _muon_zero(args) -> dict:
+    """The muon_zero section, in this process (PJRT_DEVICE=CPU, CPU_NUM_DEVICES and XLA_FLAGS set by main)."""
+    import torch_xla
+
+    if args.devices % 2:
+        sys.exit(f"bench/optimizer.py: --only muon_zero needs an even --devices (data 2 x fsdp devices/2), "
+                 f"got {args.devices}")
+    backend, cfg, dump = _xla_backend(["training.optimizer=muon", "xla.mesh.data=2",
+                                       f"xla.mesh.fsdp={args.devices // 2}", "xla.shard_optimizer_over_data=true"])
+    forms = {}
+    for form in ("back", "sliced"):
+        model, opt = model_and_optimizer(backend, cfg, args)
+        opt.init_state()
+        backend.prepare_optimizer(opt)
+        if form == "sliced":
+            by_matrix = opt.lay_out_by_matrix
+            opt.lay_out_by_matrix = lambda stack, params, back=False: stack if back else by_matrix(stack, params)
+        forms[form] = (model, opt)
+    torch_xla.sync()
+    out = _timed_steps(forms, _batch(backend, args), args, dump, TRAINER_GRAPHS)
+    ms = {f: v["step_ms"] for f, v in out["forms"].items()}
+    return {"d_model": args.d_model, "layers": args.layers, "devices": args.devices, "repeats": args.repeats,
+            **out, "sliced_over_back": ms["sliced"] / ms["back"]}
+
+
 def _activations(args) -> dict:
     """The activations section, in this process (PJRT_DEVICE=CPU, CPU_NUM_DEVICES and XLA_FLAGS set by main)."""
     import torch_xla
@@ -494,8 +528,8 @@ def main(argv=None) -> int:
     ap.add_argument("--devices", type=int, default=4,
                     help="spmd: PJRT CPU devices, all on fsdp; zero and activations: data 2 x fsdp the rest; "
                          "tp: fsdp the rest x tp 2")
-    ap.add_argument("--only", default="fsdp2,ddp,spmd,zero,activations,tp",
-                    help="sections, comma-separated: fsdp2, ddp, spmd, zero, activations, tp")
+    ap.add_argument("--only", default="fsdp2,ddp,spmd,zero,muon_zero,activations,tp",
+                    help="sections, comma-separated: fsdp2, ddp, spmd, zero, muon_zero, activations, tp")
     ap.add_argument("--scan-layers", action="store_true", help="tp: the blocks as one scan loop (xla.scan_layers)")
     ap.add_argument("--model-root", metavar="DIR",
                     help="tp: also another checkout's model.py (as bench/model.py --model-root), side by side")
@@ -515,7 +549,8 @@ def main(argv=None) -> int:
     if args.model_root and not (Path(args.model_root) / "model.py").is_file():
         ap.error(f"--model-root {args.model_root}: no model.py there")
     if args.xla_here:
-        print(json.dumps({"spmd": _spmd, "zero": _zero, "activations": _activations, "tp": _tp}[args.xla_here](args)))
+        print(json.dumps({"spmd": _spmd, "zero": _zero, "muon_zero": _muon_zero, "activations": _activations,
+                          "tp": _tp}[args.xla_here](args)))
         return 0
     import subprocess
     import tempfile

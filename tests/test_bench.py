@@ -622,8 +622,12 @@ def test_zero2_state_lies_within_each_devices_parameter_shard_and_activations_ke
     (all-gathers and gradient all-reduces); left to propagation, activations change layout
     (all-to-alls, permutes) and the collectives deliver more bytes.
     tp (fsdp 2 x tp 2, no --model-root): this checkout's model alone, its graphs compiled before
-    the timed steps."""
-    r = subprocess.run([sys.executable, "bench/optimizer.py", "--only", "zero,activations,tp", "--d-model", "64",
+    the timed steps. muon_zero: Muon's orthogonalised stacks laid out like their state again
+    before the update slices them, its update moves whole matrices (all-to-alls) and gathers the
+    updated shards, no all-reduce of matrices made whole on every device, fewer bytes, the same
+    weights."""
+    r = subprocess.run([sys.executable, "bench/optimizer.py", "--only", "zero,muon_zero,activations,tp",
+                        "--d-model", "64",
                         "--layers", "2", "--repeats", "1"], cwd=ROOT, env=ENV, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -640,6 +644,10 @@ def test_zero2_state_lies_within_each_devices_parameter_shard_and_activations_ke
     assert set(constrained["by_kind"]) <= {"all-gather", "all-reduce", "reduce-scatter"}, constrained
     assert {"all-to-all", "collective-permute"} & set(propagated["by_kind"]), propagated
     assert constrained["result_bytes_per_device"] < propagated["result_bytes_per_device"]
+    back, sliced = (res["muon_zero"]["forms"][f]["update"] for f in ("back", "sliced"))
+    assert set(back["by_kind"]) == {"all-to-all", "all-gather"} and sliced["by_kind"]["all-reduce"] > 0, (back, sliced)
+    assert back["result_bytes_per_device"] < sliced["result_bytes_per_device"]
+    assert res["muon_zero"]["max_weight_difference_after_all_steps"] == 0.0
     assert list(res["tp"]["forms"]) == ["this"] and "root_over_this" not in res["tp"]
     this = res["tp"]["forms"]["this"]
     assert this[fb]["by_kind"]["all-reduce"] > 0 and this["compiled_while_timed"] == 0   # tp's partial sums
