@@ -159,6 +159,15 @@ def model_and_optimizer(backend, cfg, args, module=None):
     return model, build_optimizer(model, cfg.training, backend.adamw_factory())
 
 
+def _on_xla(backend, cfg, args, module=None):
+    """``model_and_optimizer`` on the XLA backend, its optimiser state made and placed as the
+    Trainer does (``init_state``, ``prepare_optimizer``)."""
+    model, opt = model_and_optimizer(backend, cfg, args, module)
+    opt.init_state()
+    backend.prepare_optimizer(opt)
+    return model, opt
+
+
 def _worker(rank: int, world: int, port: int, args, out_file: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -326,9 +335,7 @@ def _spmd(args) -> dict:
     backend, cfg, dump = _xla_backend(["training.optimizer=muon", "xla.mesh.data=1", f"xla.mesh.fsdp={args.devices}"])
     forms = {}
     for form in ("by_matrix", "per_product"):
-        model, opt = model_and_optimizer(backend, cfg, args)
-        opt.init_state()
-        backend.prepare_optimizer(opt)
+        model, opt = _on_xla(backend, cfg, args)
         if form == "per_product":
             opt.lay_out_by_matrix = None
         forms[form] = (model, opt)
@@ -409,17 +416,33 @@ def _timed_steps(forms: dict, x, args, dump: str, graphs: dict) -> dict:
     return out
 
 
-def _zero(args) -> dict:
-    """The zero section, in this process (PJRT_DEVICE=CPU, CPU_NUM_DEVICES and XLA_FLAGS set by main)."""
+def _data_x_fsdp(args, section: str, overrides: list[str]):
+    """``_xla_backend`` on a data 2 x fsdp ``--devices / 2`` mesh (an even ``--devices``)."""
+    if args.devices % 2:
+        sys.exit(f"bench/optimizer.py: --only {section} needs an even --devices (data 2 x fsdp devices/2), "
+                 f"got {args.devices}")
+    return _xla_backend(["xla.mesh.data=2", f"xla.mesh.fsdp={args.devices // 2}", *overrides])
+
+
+def _trainer_graphs_side_by_side(forms: dict, backend, args, dump: str) -> dict:
+    """The two ``forms``' Trainer graphs timed side by side (``_timed_steps``), with the shape
+    measured and the second form's step time over the first's."""
     import torch_xla
 
+    torch_xla.sync()
+    out = _timed_steps(forms, _batch(backend, args), args, dump, TRAINER_GRAPHS)
+    ours, other = forms
+    return {"d_model": args.d_model, "layers": args.layers, "devices": args.devices,
+            "batch": args.batch * args.devices, "seq": args.seq, "repeats": args.repeats, **out,
+            f"{other}_over_{ours}": out["forms"][other]["step_ms"] / out["forms"][ours]["step_ms"]}
+
+
+def _zero(args) -> dict:
+    """The zero section, in this process (PJRT_DEVICE=CPU, CPU_NUM_DEVICES and XLA_FLAGS set by main)."""
     import training.xla_backend as xb
 
-    if args.devices % 2:
-        sys.exit(f"bench/optimizer.py: --only zero needs an even --devices (data 2 x fsdp devices/2), "
-                 f"got {args.devices}")
-    backend, cfg, dump = _xla_backend(["training.optimizer=adamw", "xla.mesh.data=2",
-                                       f"xla.mesh.fsdp={args.devices // 2}", "xla.shard_optimizer_over_data=true"])
+    backend, cfg, dump = _data_x_fsdp(args, "zero", ["training.optimizer=adamw",
+                                                     "xla.shard_optimizer_over_data=true"])
     ours = xb.state_partition_spec
     forms = {}
     for form in ("fsdp_major", "data_major"):
@@ -427,68 +450,38 @@ def _zero(args) -> dict:
             xb.state_partition_spec = lambda spec, over: spec and tuple(
                 ("data", "fsdp") if a == ("fsdp", "data") else a for a in ours(spec, over))
         try:
-            model, opt = model_and_optimizer(backend, cfg, args)
-            opt.init_state()
-            backend.prepare_optimizer(opt)
+            model, opt = _on_xla(backend, cfg, args)
         finally:
             xb.state_partition_spec = ours
         forms[form] = (model, opt)
-    torch_xla.sync()
-    out = _timed_steps(forms, _batch(backend, args), args, dump, TRAINER_GRAPHS)
-    ms = {f: v["step_ms"] for f, v in out["forms"].items()}
-    return {"d_model": args.d_model, "layers": args.layers, "devices": args.devices, "repeats": args.repeats,
-            **out, "data_major_over_fsdp_major": ms["data_major"] / ms["fsdp_major"]}
+    return _trainer_graphs_side_by_side(forms, backend, args, dump)
 
 
 def _muon_zero(args) -> dict:
     """The muon_zero section, in this process (PJRT_DEVICE=CPU, CPU_NUM_DEVICES and XLA_FLAGS set by main)."""
-    import torch_xla
-
-    if args.devices % 2:
-        sys.exit(f"bench/optimizer.py: --only muon_zero needs an even --devices (data 2 x fsdp devices/2), "
-                 f"got {args.devices}")
-    backend, cfg, dump = _xla_backend(["training.optimizer=muon", "xla.mesh.data=2",
-                                       f"xla.mesh.fsdp={args.devices // 2}", "xla.shard_optimizer_over_data=true"])
+    backend, cfg, dump = _data_x_fsdp(args, "muon_zero", ["training.optimizer=muon",
+                                                          "xla.shard_optimizer_over_data=true"])
     forms = {}
     for form in ("back", "sliced"):
-        model, opt = model_and_optimizer(backend, cfg, args)
-        opt.init_state()
-        backend.prepare_optimizer(opt)
+        model, opt = _on_xla(backend, cfg, args)
         if form == "sliced":
             by_matrix = opt.lay_out_by_matrix
             opt.lay_out_by_matrix = lambda stack, params, back=False: stack if back else by_matrix(stack, params)
         forms[form] = (model, opt)
-    torch_xla.sync()
-    out = _timed_steps(forms, _batch(backend, args), args, dump, TRAINER_GRAPHS)
-    ms = {f: v["step_ms"] for f, v in out["forms"].items()}
-    return {"d_model": args.d_model, "layers": args.layers, "devices": args.devices, "repeats": args.repeats,
-            **out, "sliced_over_back": ms["sliced"] / ms["back"]}
+    return _trainer_graphs_side_by_side(forms, backend, args, dump)
 
 
 def _activations(args) -> dict:
     """The activations section, in this process (PJRT_DEVICE=CPU, CPU_NUM_DEVICES and XLA_FLAGS set by main)."""
-    import torch_xla
-
-    if args.devices % 2:
-        sys.exit(f"bench/optimizer.py: --only activations needs an even --devices (data 2 x fsdp devices/2), "
-                 f"got {args.devices}")
-    backend, cfg, dump = _xla_backend(["training.optimizer=adamw", "xla.mesh.data=2",
-                                       f"xla.mesh.fsdp={args.devices // 2}"])
+    backend, cfg, dump = _data_x_fsdp(args, "activations", ["training.optimizer=adamw"])
     forms = {}
     for form in ("constrained", "propagated"):
         if form == "propagated":
             backend._shard_activations = lambda model: None
-        model, opt = model_and_optimizer(backend, cfg, args)
-        opt.init_state()
-        backend.prepare_optimizer(opt)
+        model, opt = _on_xla(backend, cfg, args)
         forms[form] = (model, opt)
     del backend._shard_activations     # the class's again
-    torch_xla.sync()
-    out = _timed_steps(forms, _batch(backend, args), args, dump, TRAINER_GRAPHS)
-    ms = {f: v["step_ms"] for f, v in out["forms"].items()}
-    return {"d_model": args.d_model, "layers": args.layers, "devices": args.devices,
-            "batch": args.batch * args.devices, "seq": args.seq, "repeats": args.repeats, **out,
-            "propagated_over_constrained": ms["propagated"] / ms["constrained"]}
+    return _trainer_graphs_side_by_side(forms, backend, args, dump)
 
 
 def _tp(args) -> dict:
@@ -505,9 +498,7 @@ def _tp(args) -> dict:
         modules["root"] = model_module(args, "root:nash-mhc")[0]
     forms = {}
     for form, module in modules.items():
-        model, opt = model_and_optimizer(backend, cfg, args, module)
-        opt.init_state()
-        backend.prepare_optimizer(opt)
+        model, opt = _on_xla(backend, cfg, args, module)
         forms[form] = (model, opt)
     torch_xla.sync()
     out = _timed_steps(forms, _batch(backend, args), args, dump, TRAINER_GRAPHS)
