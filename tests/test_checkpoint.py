@@ -18,8 +18,8 @@ import torch
 
 from helpers import ENV, ROOT, losses, run, tiny_config
 from training.checkpoint import (MARKER, Checkpointer, CheckpointError, atomic_torch_save, checkpoint_digest,
-                                 checkpoint_path, find_latest, list_checkpoints, load_checkpoint, read_dcp_metadata,
-                                 rng_state)
+                                 checkpoint_path, find_latest, list_checkpoints, load_checkpoint,
+                                 optimizer_state_by_name, peek_checkpoint, read_dcp_metadata, rng_state)
 
 
 # -- a tiny model and optimiser, saved through the real backend ----------------------------------
@@ -810,7 +810,6 @@ def test_a_format_1_optimizer_state_of_another_parameter_count_is_refused(tmp_pa
     """Format 1 keys the optimiser state by index: a state saved for another number of parameters
     cannot be mapped to names and is refused in one line (it was mapped index by index onto the
     wrong parameters, or failed with an IndexError)."""
-    from training.checkpoint import optimizer_state_by_name
     model, opt, backend, _ = _setup(False, run_dir=tmp_path)
     state = opt.state_dict()
     assert set(optimizer_state_by_name(model, opt, state)["state"]) == {n for n, _ in model.named_parameters()}
@@ -825,7 +824,6 @@ def test_a_shard_one_byte_short_is_refused_when_peeked(tmp_path):
     """read_dcp_metadata checks that every entry lies within its shard file (offset + length),
     not only that it starts there: a shard that lost its last byte is refused at the peek and
     resume: auto takes the one before, instead of failing in the middle of the restore."""
-    from training.checkpoint import find_latest, peek_checkpoint
     model, opt, backend, ck = _setup(True, run_dir=tmp_path)
     good = ck.save(_meta(2), model, opt, "test", wait=True)
     path = ck.save(_meta(4), model, opt, "test", wait=True)

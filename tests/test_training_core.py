@@ -1465,9 +1465,8 @@ def test_an_spmd_batch_must_divide_over_data_times_fsdp():
 
 
 def test_a_split_without_shards_is_refused(tmp_path, stdlib_data):
-    import json
     import shutil
-    from training.config import check_data
+
     shutil.copytree(stdlib_data, tmp_path / "data")
     meta = json.loads((tmp_path / "data" / "meta.json").read_text())
     meta["splits"]["val"]["shards"] = []
