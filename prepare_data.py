@@ -21,10 +21,12 @@ output (replaced only with `--overwrite`) stays intact until the new one is read
 from __future__ import annotations
 
 import argparse
+import codecs
 import errno
 import fnmatch
 import hashlib
 import json
+import mmap
 import os
 import re
 import secrets
@@ -62,6 +64,11 @@ PIECE_CHARS = 1 << 20
 # cut after a line end, is a val document and the rest a train one, so one large file (the
 # classic input.txt) gives both. Shorter documents go to one split whole, chosen by their content.
 SPLIT_CHARS = 1 << 20
+# A plain-text file larger than this (bytes) is never held whole: it is checked, sampled and encoded
+# READ_BYTES at a time, from disk each time (read whole, memory grew by ~7 MB per MB of the file:
+# bench/prepare_data.py). Over 4 x SPLIT_CHARS, so every such file is split between train and val.
+STREAM_BYTES = 64 << 20
+READ_BYTES = 8 << 20
 RECORD_BATCH = 1024  # records read at a time from json/parquet/datasets
 
 
@@ -137,7 +144,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     src.add_argument("--split", default="train", metavar="SPLIT", help="the dataset split to read (default: train)")
     src.add_argument("--max-docs", type=size, metavar="N", help="stop after N documents")
     src.add_argument("--max-tokens", type=size, metavar="N",
-                     help="stop once N tokens are written (whole documents: the last may overshoot)")
+                     help="stop once N tokens are written (whole documents, the last may overshoot; a "
+                          "plain-text file over 64 MiB stops within its 8 MiB block)")
     tok = p.add_argument_group("tokenizer")
     tok.add_argument("--vocab-size", type=size, metavar="V",
                      help=f"train a byte-level BPE with V tokens, specials included "
@@ -286,6 +294,80 @@ def _import_datasets():
     return datasets
 
 
+class LargeText:
+    """A plain-text file over STREAM_BYTES: one document, never held whole. Each pass (the UTF-8
+    check, the tokenizer sample, the encoding) reads it from disk READ_BYTES at a time; its size
+    is taken once, so a file that grows meanwhile is read as it was."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.size = path.stat().st_size
+
+    def _cannot(self, e: OSError) -> DataError:
+        return DataError(f"{self.path}: cannot read ({e.strerror or one_line(e)})")
+
+    def utf8_problem(self) -> str | None:
+        """What is wrong with it as UTF-8, worded as for a file read whole, or None."""
+        decoder = codecs.getincrementaldecoder("utf-8")()
+        at = 0  # bytes read before this block
+        try:
+            with open(self.path, "rb") as f:
+                while True:
+                    raw = f.read(min(READ_BYTES, self.size - at))
+                    held = decoder.getstate()[0]  # the start of a character the last block cut
+                    try:
+                        decoder.decode(raw, final=not raw)
+                    except UnicodeDecodeError as e:
+                        return (f"not valid UTF-8 (byte {e.object[e.start]:#04x} at offset "
+                                f"{at - len(held) + e.start})")
+                    if not raw:
+                        return None
+                    at += len(raw)
+        except OSError as e:
+            raise self._cannot(e) from None
+
+    def _mapped(self, fn: Callable[[mmap.mmap], int]) -> int:
+        try:
+            with open(self.path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+                return fn(m)
+        except OSError as e:
+            raise self._cannot(e) from None
+
+    def boundary(self, at: int) -> int:
+        """The start of the character at byte ``at`` (``at`` itself at the end of the file)."""
+        return self._mapped(lambda m: char_start(m, at)) if at < self.size else self.size
+
+    def val_cut(self, val_fraction: float) -> int:
+        """Where its val part begins (``val_cut``), found without reading the rest of the file."""
+        return self._mapped(lambda m: val_cut(m, self.size, val_fraction))
+
+    def texts(self, start: int, end: int, size: int | None) -> Iterator[str]:
+        """Bytes [start, end) (both at character starts) as text: pieces of about ``size``
+        characters cut as ``text_pieces`` cuts (the same tokens as the whole), or with ``size``
+        None all of it at once."""
+        decoder = codecs.getincrementaldecoder("utf-8")()
+        rest = ""
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(start)
+                left = end - start
+                while left > 0:
+                    raw = f.read(min(READ_BYTES, left))
+                    if not raw:
+                        raise DataError(f"{self.path}: the file shrank while it was read ({self.size:,} bytes before)")
+                    left -= len(raw)
+                    rest += decoder.decode(raw, final=left == 0)
+                    if size is not None:
+                        # every cut found is one of the whole text's: a cut needs only the
+                        # characters around it, and those are all in ``rest``
+                        *whole, rest = text_pieces(rest, size)
+                        yield from whole
+        except OSError as e:
+            raise self._cannot(e) from None
+        if rest:
+            yield rest
+
+
 class Corpus:
     """The documents of all inputs, in a fixed order: files (sorted) first, then the dataset.
 
@@ -300,14 +382,16 @@ class Corpus:
         self.skipped: dict[str, str] = {}  # path -> reason
         self.empty = 0
         self._warned: set[str] = set()
+        self._utf8: dict[Path, str | None] = {}  # a LargeText's UTF-8 check: what is wrong, or None
 
     def _warn_once(self, msg: str) -> None:
         if msg not in self._warned:
             self._warned.add(msg)
             warn(msg)
 
-    def documents(self) -> Iterator[tuple[str, bytes]]:
-        """Yields (text, its UTF-8 bytes) for every non-empty document, at most --max-docs."""
+    def documents(self) -> Iterator[tuple[str, bytes] | tuple[LargeText, None]]:
+        """Yields (text, its UTF-8 bytes) for every non-empty document, at most --max-docs; a
+        plain-text file over STREAM_BYTES as (LargeText, None)."""
         self.empty = 0
         n = 0
         for text, data in self._all():
@@ -323,7 +407,16 @@ class Corpus:
         for path in self.files:
             kind = RECORD_KINDS.get(path.suffix.lower())
             try:  # an error of read() names no file (/proc/self/mem: "Input/output error")
-                if kind is None:
+                if kind is None and path.stat().st_size > STREAM_BYTES:
+                    large = LargeText(path)
+                    if path not in self._utf8:  # once: the sample and the encoding pass both come here
+                        self._utf8[path] = large.utf8_problem()
+                    if self._utf8[path] is not None:
+                        self.skipped[str(path)] = self._utf8[path]
+                        self._warn_once(f"skipping {path}: {self.skipped[str(path)]}")
+                        continue
+                    yield large, None
+                elif kind is None:
                     data = path.read_bytes()
                     try:
                         text = data.decode("utf-8")
@@ -775,13 +868,13 @@ def install(staging: Path, out: Path, overwrite: bool, recheck: Callable[[], Non
 # The pipeline
 
 
-def _batches(docs: Iterator[tuple[str, bytes, str | None]]) -> Iterator[tuple[list[str], list[tuple]]]:
-    """(texts, each text's (bytes, split)) of about BATCH_BYTES of text or BATCH_DOCS documents."""
+def _batches(docs: Iterator[tuple[str, bytes | None, str | None, bool]]) -> Iterator[tuple[list[str], list[tuple]]]:
+    """(texts, each text's (bytes, split, ends)) of about BATCH_BYTES of text or BATCH_DOCS documents."""
     texts, rest, nbytes = [], [], 0
-    for text, data, split in docs:
+    for text, data, split, ends in docs:
         texts.append(text)
-        rest.append((data, split))
-        nbytes += len(data)
+        rest.append((data, split, ends))
+        nbytes += len(data) if data is not None else len(text)
         if nbytes >= BATCH_BYTES or len(texts) >= BATCH_DOCS:
             yield texts, rest
             texts, rest, nbytes = [], [], 0
@@ -789,22 +882,47 @@ def _batches(docs: Iterator[tuple[str, bytes, str | None]]) -> Iterator[tuple[li
         yield texts, rest
 
 
-def split_large(docs: Iterator[tuple[str, bytes]], val_fraction: float) -> Iterator[tuple[str, bytes, str | None]]:
-    """(text, its bytes, its split) for every document: None (chosen later from its content) for
-    one of at most SPLIT_CHARS characters; a longer one is two documents, its last
-    `val_fraction` for val and the rest for train, cut after a line end in the last
-    2 x `val_fraction` (none there: at the character)."""
+def char_start(data, at: int) -> int:
+    """The start of the UTF-8 character that byte ``at`` of ``data`` (bytes or a map) is in."""
+    while at > 0 and data[at] & 0xC0 == 0x80:  # a continuation byte, 10xxxxxx
+        at -= 1
+    return at
+
+
+def val_cut(data, n: int, val_fraction: float) -> int:
+    """Where the val part of a document of ``n`` UTF-8 bytes begins: after the last line end in
+    its last 2 x ``val_fraction`` of the bytes but not in the last ``val_fraction``; none there:
+    at the character that holds the byte ``val_fraction`` of them from the end."""
+    want = max(1, round(val_fraction * n))
+    nl = data.rfind(b"\n", max(0, n - 2 * want), n - want)
+    return nl + 1 if nl != -1 else char_start(data, n - want)
+
+
+def split_large(docs: Iterator[tuple[str, bytes] | tuple[LargeText, None]], val_fraction: float,
+                size: int | None) -> Iterator[tuple[str, bytes | None, str | None, bool]]:
+    """(text, its bytes, its split, whether it ends a document) for every document: split None
+    (chosen later from its content) for one of at most SPLIT_CHARS characters; a longer one is
+    two documents, its last `val_fraction` (``val_cut``) for val and the rest for train. A
+    LargeText's two parts come in pieces of about `size` characters (whole with `size` None;
+    bytes None), only the last of each ending its document."""
     for text, data in docs:
-        n = len(text)
-        if n <= SPLIT_CHARS:
-            yield text, data, None
+        if isinstance(text, LargeText):
+            cut = text.val_cut(val_fraction)
+            for split, start, end in (("val", cut, text.size), ("train", 0, cut)):  # val first, as below
+                pieces = text.texts(start, end, size)
+                piece = next(pieces)
+                for after in pieces:
+                    yield piece, None, split, False
+                    piece = after
+                yield piece, None, split, True
             continue
-        want = max(1, round(val_fraction * n))
-        nl = text.rfind("\n", max(0, n - 2 * want), n - want)
-        cut = nl + 1 if nl != -1 else n - want
-        tail = text[cut:].encode()
-        yield text[cut:], tail, "val"  # first: --max-tokens stops only after the train part
-        yield text[:cut], memoryview(data)[:len(data) - len(tail)], "train"  # a view: no copy of the bytes
+        if len(text) <= SPLIT_CHARS:
+            yield text, data, None, True
+            continue
+        cut = val_cut(data, len(data), val_fraction)
+        tail = data[cut:].decode()
+        yield tail, None, "val", True  # first: --max-tokens stops only after the train part
+        yield text[:len(text) - len(tail)], None, "train", True
 
 
 # Where GPT-2's pre-tokenizer pattern always starts a pre-token, whatever surrounds the text:
@@ -846,11 +964,20 @@ def pieces_are_exact(tokenizer) -> bool:
             and pre.get("use_regex", True) and not pre.get("add_prefix_space", False))
 
 
-def _sample(docs: Iterator[tuple[str, bytes]], limit: int, stats: dict) -> Iterator[str]:
+def _sample(docs: Iterator[tuple[str, bytes] | tuple[LargeText, None]], limit: int, stats: dict) -> Iterator[str]:
     """The first `limit` bytes of text (the last document cut short, at a character boundary),
     long documents in pieces (the trainer counts pre-tokens, which pieces keep); counts them in
     stats."""
     for text, data in docs:
+        if isinstance(text, LargeText):
+            last = text.size >= limit - stats["sample_bytes"]
+            end = text.boundary(limit - stats["sample_bytes"]) if last else text.size
+            stats["sample_documents"] += 1
+            stats["sample_bytes"] += end
+            yield from text.texts(0, end, PIECE_CHARS)
+            if last:
+                return
+            continue
         last = len(data) >= limit - stats["sample_bytes"]
         if last:
             text = data[:limit - stats["sample_bytes"]].decode("utf-8", errors="ignore")  # drops a character cut in two
@@ -1003,13 +1130,17 @@ def encode_corpus(corpus: Corpus, spec: TokenizerSpec, dtype, folder: Path,
         flat = {"train": [], "val": []}  # runs of ids: lists, and the arrays of long documents
         ndocs = {"train": 0, "val": 0}
         done = 0
-        for (data, part_of), ids in zip(rest, encoded):
-            done += 1
-            if isinstance(ids, np.ndarray):
-                ids = np.append(ids, np.uint32(eos))
-            else:
-                ids.append(eos)
+        for (data, part_of, ends), ids in zip(rest, encoded):
+            if ends:
+                if isinstance(ids, np.ndarray):
+                    ids = np.append(ids, np.uint32(eos))
+                else:
+                    ids.append(eos)
             total_tokens += len(ids)
+            # a large document's train part follows its val part: --max-tokens keeps them together
+            stop = args.max_tokens is not None and total_tokens >= args.max_tokens and part_of != "val"
+            whole = ends or stop  # a document counts once: at its end, or where the run stops
+            done += whole
             if part_of is not None:  # a part of a large document: its split is fixed, never held back
                 split, out = part_of, [ids]
             else:
@@ -1024,17 +1155,15 @@ def encode_corpus(corpus: Corpus, spec: TokenizerSpec, dtype, folder: Path,
                     out = held[1] if held is not None else []
                 else:
                     out = [ids]
-            assigned[split] += 1
+            assigned[split] += whole
             for ids in out:
                 runs = flat[split]
                 if isinstance(ids, list) and runs and isinstance(runs[-1], list):
                     runs[-1].extend(ids)
                 else:
                     runs.append(ids if isinstance(ids, np.ndarray) else list(ids))
-                ndocs[split] += 1
-            # a large document's train part follows its val part: --max-tokens keeps them together
-            if args.max_tokens is not None and total_tokens >= args.max_tokens and part_of != "val":
-                stop = True
+                ndocs[split] += whole  # a held document is always whole
+            if stop:
                 break
         for split, runs in flat.items():
             for k, run in enumerate(runs):
@@ -1045,7 +1174,8 @@ def encode_corpus(corpus: Corpus, spec: TokenizerSpec, dtype, folder: Path,
     t0 = time.time()
     with ThreadPoolExecutor(max_workers=1) as pool:  # encode batch k+1 while storing batch k
         pending = None
-        for texts, rest in _batches(split_large(corpus.documents(), args.val_fraction)):
+        for texts, rest in _batches(split_large(corpus.documents(), args.val_fraction,
+                                                READ_BYTES if exact else None)):
             job = (rest, pool.submit(encode, texts))
             if pending is not None:
                 bar.update(consume(pending[0], pending[1].result()))

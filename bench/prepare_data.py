@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Throughput of prepare_data.py against raw `Tokenizer.encode_batch` on the same text.
 
-    .venv/bin/python bench/prepare_data.py [--passes 2] [--repeats 3] [--vocab-size 32768]
+    .venv/bin/python bench/prepare_data.py [--passes 2] [--repeats 3] [--vocab-size 32768] [--large-file-mb 100,200]
 
 Corpus: the .py files of this Python's standard library (without site-packages), copied `--passes`
 times into a temporary directory (as distinct files, so the pipeline reads every copy), enough
@@ -16,6 +16,11 @@ serves both sides.
 tokens/s counts document tokens (end-of-text ids excluded) on both sides. Runs are interleaved
 (raw, fast, pipeline, raw, ...) so that load from other processes hits all three alike; the table
 shows medians. Results also go to bench/results/prepare_data.json (`--json PATH` elsewhere).
+
+One large file (`--large-file-mb`, default 100 and 200; 0: skip): the documents concatenated into
+one plain-text file of that size, prepared end to end in a child process read in blocks (as
+prepare_data.py does past STREAM_BYTES) and read whole (STREAM_BYTES raised past the file), runs
+interleaved; the child's peak resident memory (`wait4`'s ru_maxrss) and wall time, medians.
 """
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import sysconfig
 import tempfile
@@ -107,12 +113,47 @@ def time_pipeline(corpus: Path, tokenizer: Path, out: Path) -> tuple[float, int]
     return elapsed, sum(s["tokens"] - s["documents"] for s in splits)  # without end-of-text ids
 
 
+# A child that prepares one file with prepare_data.STREAM_BYTES set to argv[1].
+CHILD = ("import sys; sys.path.insert(0, sys.argv[1]); import prepare_data; "
+         "prepare_data.STREAM_BYTES = int(sys.argv[2]); sys.exit(prepare_data.main(sys.argv[3:]))")
+
+
+def large_file(docs: list[str], path: Path, nbytes: int) -> int:
+    """The documents one after the other, repeated, cut to about ``nbytes`` at a document's end."""
+    written = 0
+    with open(path, "wb") as f:
+        while written < nbytes:
+            for d in docs:
+                data = d.encode()
+                f.write(data)
+                written += len(data)
+                if written >= nbytes:
+                    break
+    return written
+
+
+def time_large_file(path: Path, tokenizer: Path, out: Path, whole: bool) -> tuple[float, float]:
+    """(peak resident MiB, seconds) of prepare_data.py on one file, in a child process."""
+    limit = path.stat().st_size + 1 if whole else prepare_data.STREAM_BYTES
+    argv = [sys.executable, "-c", CHILD, str(ROOT), str(limit), "--input", str(path), "--tokenizer", str(tokenizer),
+            "--out", str(out), "--overwrite"]
+    t0 = time.perf_counter()
+    child = subprocess.Popen(argv, stdout=subprocess.DEVNULL)
+    _, status, usage = os.wait4(child.pid, 0)
+    seconds = time.perf_counter() - t0
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"prepare_data.py failed on {path} (exit status {os.waitstatus_to_exitcode(status)})")
+    return usage.ru_maxrss / 1024, seconds  # KiB on Linux
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--passes", type=int, help="copies of the stdlib (default: enough for 50 MB)")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs of each kind (default 3)")
     ap.add_argument("--vocab-size", type=int, default=32768, help="of the tokenizer trained here")
     ap.add_argument("--tokenizer", help="use this tokenizer.json / directory instead of training one")
+    ap.add_argument("--large-file-mb", default="100,200", metavar="MB[,MB...]",
+                    help="sizes of the one-file runs, each over STREAM_BYTES (default 100,200; 0: none)")
     ap.add_argument("--workdir", help="where to put the corpus copy (default: a temporary directory)")
     ap.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "prepare_data.json",
                     metavar="PATH", help="write the results there (default: bench/results/prepare_data.json)")
@@ -125,6 +166,14 @@ def main() -> None:
     for flag, value in (("--passes", args.passes), ("--repeats", args.repeats), ("--vocab-size", args.vocab_size)):
         if value is not None and value < 1:
             refuse(f"{flag} must be at least 1, got {value}")
+    try:
+        large_mb = [int(v) for v in args.large_file_mb.split(",")] if args.large_file_mb != "0" else []
+    except ValueError:
+        large_mb = [0]
+    stream_mb = prepare_data.STREAM_BYTES / 1e6
+    if any(mb <= stream_mb for mb in large_mb):
+        refuse(f"--large-file-mb {args.large_file_mb}: sizes must be whole numbers of MB over "
+               f"prepare_data.STREAM_BYTES ({stream_mb:.0f} MB), or 0")
     if args.workdir and not Path(args.workdir).is_dir():
         refuse(f"--workdir {args.workdir}: no such directory")
     if not args.json.parent.is_dir() and args.json.parent != ROOT / "bench" / "results":
@@ -174,6 +223,19 @@ def main() -> None:
             raise SystemExit(f"token counts differ between raw and pipeline: {counts}")
         tokens = counts["prepare_data.py pipeline"]
 
+        large = {}  # MB -> {"blocks"|"whole": [(peak MiB, s), ...]}
+        for mb in large_mb:
+            path = tmp / f"large_{mb}.txt"
+            size = large_file(docs, path, mb * 1_000_000)
+            large[mb] = {"bytes": size, "blocks": [], "whole": []}
+            for r in range(args.repeats):
+                for kind in ("blocks", "whole"):
+                    peak, seconds = time_large_file(path, tok_path, tmp / "out_large", kind == "whole")
+                    large[mb][kind].append((peak, seconds))
+                    print(f"  run {r + 1}/{args.repeats} one {mb} MB file read {kind}: {peak:.0f} MiB, "
+                          f"{seconds:.1f} s", file=sys.stderr, flush=True)
+            path.unlink()
+
     print(f"corpus: stdlib .py files x {passes} passes = {nbytes / 1e6:.1f} MB, {len(docs):,} documents, "
           f"{tokens:,} tokens")
     print(f"tokenizer: {tok_note}")
@@ -188,11 +250,25 @@ def main() -> None:
     print(f"pipeline / raw encode_batch: {ratio:.2f} (target >= 0.5); "
           f"pipeline / raw encode_batch_fast: {ratio_fast:.2f}")
 
+    if large:
+        print(f"one plain-text file, peak resident memory and wall time (medians), read in blocks as "
+              f"prepare_data.py does past {stream_mb:.0f} MB vs read whole:")
+        print(f"{'file MB':>8}{'blocks MiB':>12}{'whole MiB':>11}{'whole/blocks':>14}{'blocks s':>10}{'whole s':>9}")
+    large_medians = {}
+    for mb, runs_of in large.items():
+        m = {kind: [statistics.median(v[i] for v in runs_of[kind]) for i in (0, 1)] for kind in ("blocks", "whole")}
+        large_medians[mb] = {"bytes": runs_of["bytes"], "peak_mib": {k: v[0] for k, v in m.items()},
+                             "seconds": {k: v[1] for k, v in m.items()}}
+        print(f"{runs_of['bytes'] / 1e6:8.0f}{m['blocks'][0]:12.0f}{m['whole'][0]:11.0f}"
+              f"{m['whole'][0] / m['blocks'][0]:14.2f}{m['blocks'][1]:10.1f}{m['whole'][1]:9.1f}")
+
     args.json.parent.mkdir(parents=True, exist_ok=True)   # bench/results/ on a fresh checkout
     record = {"corpus_bytes": nbytes, "documents": len(docs), "tokens": tokens, "passes": passes,
               "tokenizer": tok_note, "cpus": os.cpu_count(), "runs_s": runs, "median_s": medians,
               "ratio_pipeline_to_raw_encode_batch": ratio,
-              "ratio_pipeline_to_raw_encode_batch_fast": ratio_fast}
+              "ratio_pipeline_to_raw_encode_batch_fast": ratio_fast,
+              "large_file_runs": {mb: {k: v[k] for k in ("blocks", "whole")} for mb, v in large.items()},
+              "large_file_medians": large_medians}
     tmp_file = args.json.with_name(args.json.name + ".tmp")
     tmp_file.write_text(json.dumps(record, indent=2) + "\n")
     os.replace(tmp_file, args.json)

@@ -400,6 +400,10 @@ def test_variants_take_model_settings_and_bad_ones_name_the_option():
     (["--workdir", "/nonexistent"], "--workdir /nonexistent: no such directory"),
     (["--tokenizer", "/nonexistent"], "--tokenizer /nonexistent: no tokenizer.json there"),
     (["--json", "/nonexistent/out.json"], "--json /nonexistent/out.json: no directory /nonexistent"),
+    (["--large-file-mb", "100,60"], "--large-file-mb 100,60: sizes must be whole numbers of MB over "
+                                    "prepare_data.STREAM_BYTES (67 MB), or 0"),
+    (["--large-file-mb", "1e9"], "--large-file-mb 1e9: sizes must be whole numbers of MB over "
+                                 "prepare_data.STREAM_BYTES (67 MB), or 0"),
 ])
 def test_bench_prepare_data_bad_arguments_are_one_line_errors(tmp_path, args, message):
     """Refused before any corpus is copied or tokenizer trained, and nothing written."""

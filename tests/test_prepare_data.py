@@ -421,6 +421,93 @@ def test_a_large_document_is_split_between_train_and_val(tmp_path, monkeypatch, 
                                   "stopped the corpus at 1 document(s)") and err[-1].endswith("raise the limit")
 
 
+def _blocks_and_whole(tmp_path, monkeypatch, docs: dict, *args) -> tuple[dict[str, Path], dict[str, int]]:
+    """The same run with every plain-text file read whole, and with those over 20,000 bytes read
+    READ_BYTES (1,000) at a time (documents over SPLIT_CHARS, 4,000, split: every file read in
+    blocks is); each run's return code in ``rcs``."""
+    monkeypatch.setattr(prepare_data, "READ_BYTES", 1000)
+    monkeypatch.setattr(prepare_data, "SPLIT_CHARS", 4000)
+    src = write_docs(tmp_path / "src", docs)
+    outs, rcs = {}, {}
+    for name, limit in (("whole", 10 ** 12), ("blocks", 20_000)):
+        monkeypatch.setattr(prepare_data, "STREAM_BYTES", limit)
+        outs[name] = tmp_path / name
+        rcs[name] = run("--input", src, "--out", outs[name], *args)
+    return outs, rcs
+
+
+@pytest.mark.parametrize("sample", ["all", "cut"])
+def test_a_plain_text_file_over_stream_bytes_is_read_in_blocks_with_the_same_output(tmp_path, monkeypatch, sample):
+    """A plain-text file over STREAM_BYTES is never held whole (1 GB whole held ~4.5 GB): it is
+    checked, sampled and encoded READ_BYTES at a time. Reads that cut characters in two, pieces
+    cut between them and a tokenizer sample that ends inside the file leave everything as reading
+    it whole gives: the tokenizer, every shard, the splits, the sample's size."""
+    monkeypatch.setattr(prepare_data, "PIECE_CHARS", 700)
+    text = "".join(p.read_text(encoding="utf-8") for p in sorted((STDLIB / "json").glob("*.py")))
+    text = text.replace("def ", "déf 🙂 ").replace("return", "retürn\r\n  漢字")
+    data = text.encode()
+    assert len(data) > 40_000 and any(data[k] & 0xC0 == 0x80 for k in range(1000, len(data), 1000))
+    limit = next(k for k in range(9000, len(data)) if data[k] & 0xC0 == 0x80)  # inside a character
+    reads = []
+    texts = prepare_data.LargeText.texts
+    monkeypatch.setattr(prepare_data.LargeText, "texts",
+                        lambda self, *a: reads.append(a) or texts(self, *a))
+    outs, rcs = _blocks_and_whole(tmp_path, monkeypatch,
+                                  {"big.txt": text, "small.txt": "a small document\n", "other.txt": "another one\n"},
+                                  "--vocab-size", 400, "--val-fraction", 0.05,
+                                  *(["--tokenizer-sample-bytes", limit] if sample == "cut" else []))
+    assert rcs == {"whole": 0, "blocks": 0}
+    cut = prepare_data.val_cut(data, len(data), 0.05)
+    end = len(data) if sample == "all" else prepare_data.char_start(data, limit)
+    assert reads == [(0, end, 700), (cut, len(data), 1000), (0, cut, 1000)]  # the sample, val, train
+    files = sorted(p.name for p in outs["whole"].iterdir())
+    assert files == sorted(p.name for p in outs["blocks"].iterdir())
+    for f in files:
+        if f != "meta.json":
+            assert (outs["whole"] / f).read_bytes() == (outs["blocks"] / f).read_bytes(), f
+    meta = {name: meta_of(out) for name, out in outs.items()}
+    assert meta["whole"]["splits"] == meta["blocks"]["splits"]
+    assert meta["whole"]["tokenizer"] == meta["blocks"]["tokenizer"]
+    assert meta["blocks"]["tokenizer"]["sample_bytes"] == (len(data) + 17 + 12 if sample == "all" else end)
+    head, tail = data[:cut].decode(), data[cut:].decode()
+    assert set(documents(outs["blocks"], "val")) >= {tail} and head in documents(outs["blocks"], "train")
+
+
+@pytest.mark.parametrize("where", ["after the first read", "across two reads", "at the end"])
+def test_a_large_file_that_is_not_utf8_is_skipped_as_a_small_one_is(tmp_path, monkeypatch, capsys, where):
+    """The UTF-8 check of a file read in blocks names the same byte and offset as reading it whole,
+    wherever the bad bytes fall: in a read, across two, at the end (a character cut short)."""
+    good = b"a" + ("é" * 12_000).encode()  # characters start at odd offsets: 999 is the last of a read
+    bad = {"after the first read": good[:2501] + b"\xff" + good[2502:],
+           "across two reads": good[:999] + b"\xe2\x82x" + good[1002:],
+           "at the end": good + b"\xc3"}[where]
+    outs, rcs = _blocks_and_whole(tmp_path, monkeypatch,
+                                  {"bad.txt": bad, "a.txt": "one document\n", "b.txt": "and another\n"},
+                                  "--vocab-size", 300)
+    assert rcs == {"whole": 0, "blocks": 0}
+    skipped = [meta_of(out)["skipped_files"] for out in outs.values()]
+    assert skipped[0] == skipped[1] and len(skipped[0]) == 1
+    assert skipped[0][0]["reason"] == {"after the first read": "not valid UTF-8 (byte 0xff at offset 2501)",
+                                       "across two reads": "not valid UTF-8 (byte 0xe2 at offset 999)",
+                                       "at the end": "not valid UTF-8 (byte 0xc3 at offset 24001)"}[where]
+    assert capsys.readouterr().err.count("skipping") == 2  # once a run, not once a pass
+
+
+def test_max_tokens_stops_a_large_file_within_a_block(tmp_path, monkeypatch):
+    """--max-tokens stops inside a file read in blocks, within a block of the limit (read whole,
+    the file was encoded to its end whatever the limit); the part it stops in counts as a
+    document."""
+    text = "".join(f"line {i}: " + "word " * (i % 13) + "\n" for i in range(3000))  # ~100 KB
+    outs, rcs = _blocks_and_whole(tmp_path, monkeypatch, {"big.txt": text}, "--vocab-size", 300,
+                                  "--val-fraction", 0.01, "--max-tokens", 5000)
+    assert rcs == {"whole": 0, "blocks": 0}
+    whole, blocks = (meta_of(outs[k])["splits"] for k in ("whole", "blocks"))
+    assert whole["train"]["tokens"] > 20_000  # the whole file
+    assert {s: blocks[s]["documents"] for s in blocks} == {"train": 1, "val": 1}
+    assert blocks["val"] == whole["val"]
+    assert 5000 <= blocks["train"]["tokens"] + blocks["val"]["tokens"] < 5000 + 2 * 1000
+
+
 # --- inputs ----------------------------------------------------------------------------------------
 
 
