@@ -723,11 +723,13 @@ def write_atomic(path: Path, data: bytes | np.ndarray) -> str:
 
 
 class ShardWriter:
-    """One split's token stream, cut into shards of exactly `shard_tokens` tokens (the last: fewer)."""
+    """One split's token stream, cut into shards of exactly `shard_tokens` tokens (the last: fewer).
+    The ids go straight into one shard-sized buffer, written and refilled: a list of pending
+    arrays joined when full held each shard twice at that moment."""
 
     def __init__(self, folder: Path, split: str, dtype, shard_tokens: int):
         self.folder, self.split, self.dtype, self.shard_tokens = folder, split, dtype, shard_tokens
-        self.pending: list[np.ndarray] = []
+        self.buffer: np.ndarray | None = None  # made at the first id: untouched pages cost nothing anyway
         self.n_pending = 0
         self.shards: list[dict] = []
         self.documents = 0
@@ -739,28 +741,30 @@ class ShardWriter:
             return
         if isinstance(ids, np.ndarray) and int(ids.max()) > np.iinfo(self.dtype).max:
             raise OverflowError(f"token id {int(ids.max())} does not fit {np.dtype(self.dtype).name}")
-        arr = np.array(ids, dtype=self.dtype)  # a list: raises if an id does not fit the dtype
-        self.pending.append(arr)
-        self.n_pending += arr.size
+        arr = np.asarray(ids, dtype=self.dtype)  # a list: raises if an id does not fit the dtype
         self.documents += documents
         self.tokens += arr.size
-        if self.n_pending >= self.shard_tokens:
-            stream = np.concatenate(self.pending)
-            full = stream.size // self.shard_tokens * self.shard_tokens
-            for start in range(0, full, self.shard_tokens):
-                self._write(stream[start:start + self.shard_tokens])
-            rest = stream[full:].copy()  # not a view that keeps the whole stream alive
-            self.pending, self.n_pending = ([rest] if rest.size else []), rest.size
+        if self.buffer is None:
+            self.buffer = np.empty(self.shard_tokens, dtype=self.dtype)
+        start = 0
+        while start < arr.size:
+            n = min(arr.size - start, self.shard_tokens - self.n_pending)
+            self.buffer[self.n_pending:self.n_pending + n] = arr[start:start + n]
+            self.n_pending += n
+            start += n
+            if self.n_pending == self.shard_tokens:
+                self._write(self.buffer)
+                self.n_pending = 0
 
     def close(self) -> dict:
         if self.n_pending:
-            self._write(np.concatenate(self.pending))
-        self.pending, self.n_pending = [], 0
+            self._write(self.buffer[:self.n_pending])
+        self.buffer, self.n_pending = None, 0
         return {"documents": self.documents, "tokens": self.tokens, "shards": self.shards}
 
     def _write(self, arr: np.ndarray) -> None:
         name = f"{self.split}_{len(self.shards):05d}.npy"
-        sha = write_atomic(self.folder / name, np.ascontiguousarray(arr))
+        sha = write_atomic(self.folder / name, arr)
         self.shards.append({"file": name, "tokens": int(arr.size), "sha256": sha})
 
 
