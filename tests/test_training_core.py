@@ -64,6 +64,37 @@ def test_schedule_never_exceeds_its_peak_at_fractional_steps(peak, warmup, extra
         assert lr <= lr_at(step + 0.25, total, peak, warmup, ratio)
 
 
+@given(peak=st.floats(1e-5, 1.0), warmup=st.integers(0, 30), extra=st.integers(1, 300),
+       decay_ratio=st.floats(0.01, 1.0), ratio=st.floats(0.0, 1.0),
+       shape=st.sampled_from(["linear", "1-sqrt", "cosine"]))
+@example(peak=1e-3, warmup=0, extra=10, decay_ratio=0.01, ratio=0.1, shape="linear")  # one decay step
+@example(peak=1e-3, warmup=8, extra=2, decay_ratio=1.0, ratio=0.0, shape="1-sqrt")   # decay overlaps warmup
+def test_wsd_schedule_is_transformers_get_wsd_schedule(peak, warmup, extra, decay_ratio, ratio, shape):
+    """schedule=wsd after its warmup, step for step transformers' get_wsd_schedule with the same
+    stable part and one decay step fewer (it reaches the minimum one step past its decay; ours at
+    the run's last step); the warmup is the cosine's (torch's LambdaLR above)."""
+    from transformers.optimization import get_wsd_schedule
+    total = warmup + extra
+    decay = max(1, round(decay_ratio * total))
+    stable = max(warmup, total - decay) - warmup
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=peak)
+    hf = get_wsd_schedule(opt, num_warmup_steps=warmup, num_stable_steps=stable,
+                          num_decay_steps=total - 1 - warmup - stable, decay_type=shape, min_lr_ratio=ratio)
+    for s in range(total):
+        ours = lr_at(s, total, peak, warmup, ratio, "wsd", decay_ratio, shape)
+        if s >= warmup:
+            assert ours == pytest.approx(opt.param_groups[0]["lr"], rel=1e-9, abs=1e-12 * peak), s
+        else:
+            assert ours == lr_at(s, total, peak, warmup, ratio)
+        opt.step()
+        hf.step()
+    assert lr_at(total - 1, total, peak, warmup, ratio, "wsd", decay_ratio, shape) == pytest.approx(ratio * peak)
+    # a longer run planned from the start has the same rates up to this one's decay
+    for s in range(warmup + stable):
+        assert lr_at(s, 3 * total, peak, warmup, ratio, "wsd", decay_ratio / 3, shape) == \
+            lr_at(s, total, peak, warmup, ratio, "wsd", decay_ratio, shape)
+
+
 # -- config ----------------------------------------------------------------------------------
 
 def write(tmp_path, text, name="c.yaml"):
@@ -126,6 +157,10 @@ def test_config_unknown_section(tmp_path):
     ("training: {max_steps: 3, grad_clip: -1}", r"training.grad_clip=-1.0 must be >= 0$"),
     ("training: {max_steps: 3, min_lr_ratio: 1.5}", r"training.min_lr_ratio=1.5 must be in \[0, 1\]$"),
     ("training: {max_steps: 3, warmup_steps: -1}", r"training.warmup_steps=-1 must be >= 0$"),
+    ("training: {max_steps: 3, decay_ratio: 0}", r"training.decay_ratio=0.0 must be in \(0, 1\]$"),
+    ("training: {max_steps: 3, decay_ratio: 1.5}", r"training.decay_ratio=1.5 must be in \(0, 1\]$"),
+    ("training: {max_steps: 3, decay_shape: sqrt}",
+     r"training.decay_shape: 'sqrt' is not one of 'linear', '1-sqrt', 'cosine' \(did you mean '1-sqrt'\?\)$"),
     ("training: {max_steps: 3, weight_decay: -0.1}", r"training.weight_decay=-0.1 must be >= 0$"),
     ("training: {max_steps: 3, betas: [0.9, 1.0]}", r"training.betas=\[0.9, 1.0\] must be in \[0, 1\)$"),
     ("training: {max_steps: 3, learning_rate: 0}", r"training.learning_rate=0.0 must be positive$"),

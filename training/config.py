@@ -60,8 +60,15 @@ class TrainingConfig:
         "token budget: steps = total_tokens / (batch_size x replicas x accumulation x seq_len)",
         default=None)
     learning_rate: float = _help("peak learning rate", default=3e-3)
-    min_lr_ratio: float = _help("cosine decay ends at min_lr_ratio x learning_rate", default=0.1)
+    min_lr_ratio: float = _help("the decay ends at min_lr_ratio x learning_rate (at the last step)", default=0.1)
     warmup_steps: int = _help("linear warmup steps", default=100)
+    schedule: Literal["cosine", "wsd"] = _help(
+        "after the warmup: cosine (decays from the peak to the last step), or wsd (warmup-stable-decay: "
+        "the peak until the last decay_ratio of the steps, which decay as decay_shape; a checkpoint of "
+        "its stable part resumes with more steps as if they had been planned)", default="cosine")
+    decay_ratio: float = _help("schedule=wsd: the share of the steps that decays, in (0, 1]", default=0.2)
+    decay_shape: Literal["linear", "1-sqrt", "cosine"] = _help(
+        "schedule=wsd: the decay's shape (1-sqrt: 1 - sqrt(progress), Hägele et al. 2024)", default="linear")
     weight_decay: float = _help("decoupled weight decay on matrices (not on norms, biases, "
                                 "embeddings, mHC gates/biases)", default=0.1)
     betas: tuple[float, float] = _help("Adam betas", default=(0.9, 0.95))
@@ -516,6 +523,8 @@ def check(cfg: Config) -> None:
         bad(f"training.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
     if t.warmup_steps < 0:
         bad(f"training.warmup_steps={t.warmup_steps} must be >= 0")
+    if not 0 < t.decay_ratio <= 1:
+        bad(f"training.decay_ratio={t.decay_ratio} must be in (0, 1]")
     if not 0 <= t.seed < 2**63:
         bad(f"training.seed={t.seed} must be in [0, 2**63)")
     if t.weight_decay < 0:

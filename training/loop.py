@@ -152,7 +152,7 @@ def settings_warnings(cfg: Config, tokens_per_step: int, data_vocab: int | None 
     if max_steps is not None and t.warmup_steps >= max_steps:
         out.append(f"warning: training.warmup_steps={t.warmup_steps} is not below the run's {max_steps:,} "
                    "steps: the learning rate rises for the whole run and never decays")
-    elif max_steps is not None and t.warmup_steps and t.warmup_steps == max_steps - 1:
+    elif max_steps is not None and t.warmup_steps and t.warmup_steps == max_steps - 1 and t.schedule == "cosine":
         # the cosine's one step (its progress 0 of at least 1) is at the peak
         out.append(f"warning: training.warmup_steps={t.warmup_steps} leaves one of the run's {max_steps:,} "
                    "steps after warmup, at the peak learning rate: it never decays")
@@ -619,7 +619,8 @@ class Trainer:
         try:
             while state.step < self.max_steps:
                 lr = lr_at(state.step + self.schedule_shift, self.max_steps + self.schedule_shift,
-                           t_cfg.learning_rate, t_cfg.warmup_steps, t_cfg.min_lr_ratio)
+                           t_cfg.learning_rate, t_cfg.warmup_steps, t_cfg.min_lr_ratio,
+                           t_cfg.schedule, t_cfg.decay_ratio, t_cfg.decay_shape)
                 values = self.train_step(lr)
                 state.step += 1
                 state.batches_done += t_cfg.gradient_accumulation_steps

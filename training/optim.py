@@ -19,18 +19,36 @@ from torch import nn
 from torch.optim.adam import adam as torch_adam   # the functional form of torch.optim.Adam(W)
 
 
-def lr_at(step: float, max_steps: float, peak: float, warmup: int, min_ratio: float) -> float:
-    """Linear warmup to ``peak`` over ``warmup`` steps, then cosine decay that reaches
-    ``min_ratio * peak`` at the last step, ``max_steps - 1``: step for step torch's
-    ``SequentialLR`` of ``LambdaLR((s + 1) / warmup)`` and ``CosineAnnealingLR(T_max=max_steps -
-    warmup - 1, eta_min)``. ``step`` counts from 0 (the first update uses ``lr_at(0)``, never 0);
-    it may be fractional (``Trainer.schedule_shift``: a token budget resumed with other tokens
-    per step); between warmup - 1 and warmup the rate is the peak, never above it.
+def lr_at(step: float, max_steps: float, peak: float, warmup: int, min_ratio: float,
+          schedule: str = "cosine", decay_ratio: float = 0.2, decay_shape: str = "linear") -> float:
+    """Linear warmup to ``peak`` over ``warmup`` steps, then the decay to ``min_ratio * peak``.
+
+    ``cosine``: a cosine from the end of the warmup to the last step, ``max_steps - 1``: step for
+    step torch's ``SequentialLR`` of ``LambdaLR((s + 1) / warmup)`` and
+    ``CosineAnnealingLR(T_max=max_steps - warmup - 1, eta_min)``.
+    ``wsd`` (warmup-stable-decay): the peak until the last ``decay_ratio`` of the steps (at least
+    one, none in the warmup), which decay as ``decay_shape`` (linear, 1-sqrt, cosine) to the
+    minimum at the last step: step for step transformers' ``get_wsd_schedule`` with one decay step
+    fewer (it reaches the minimum one step past its decay). A run extended from a checkpoint of
+    its stable part goes on as if the longer run had been planned.
+
+    ``step`` counts from 0 (the first update uses ``lr_at(0)``, never 0); it may be fractional
+    (``Trainer.schedule_shift``: a token budget resumed with other tokens per step); between
+    warmup - 1 and warmup the rate is the peak, never above it.
     """
     if warmup > 0 and step < warmup:
         return peak * min(1.0, (step + 1) / warmup)
-    progress = min(1.0, (step - warmup) / max(1, max_steps - warmup - 1))
-    return peak * (min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress)))
+    if schedule == "cosine":
+        progress = min(1.0, (step - warmup) / max(1, max_steps - warmup - 1))
+        shape = "cosine"
+    else:
+        start = max(warmup, max_steps - max(1, round(decay_ratio * max_steps)))
+        span = max_steps - 1 - start  # 0: the one decay step is the last, at the minimum
+        progress = min(1.0, max(0.0, step - start) / span) if span > 0 else float(step >= start)
+        shape = decay_shape
+    factor = {"linear": lambda p: 1.0 - p, "1-sqrt": lambda p: 1.0 - math.sqrt(p),
+              "cosine": lambda p: 0.5 * (1.0 + math.cos(math.pi * p))}[shape](progress)
+    return peak * (min_ratio + (1.0 - min_ratio) * factor)
 
 
 def split_params(model: nn.Module) -> tuple[list, list, list]:
