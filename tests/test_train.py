@@ -1207,6 +1207,34 @@ def test_a_wsd_run_extended_from_its_stable_part_goes_on_as_if_planned(tmp_path,
     assert lrs[1:18] == pytest.approx([3e-3] * 17, rel=1e-6) and lrs[-1] == pytest.approx(3e-4, rel=1e-6)
 
 
+def test_a_profile_traces_the_steps_it_names_and_changes_nothing_else(tmp_path, stdlib_data):
+    """logging.profile_start=3, profile_steps=2: torch.profiler's Chrome trace of steps 3 and 4
+    (each a named range holding the model's ops), written when step 4 ends and said in the log;
+    the losses are those of the same run without it."""
+    over = {"training.max_steps": 6, "evaluation.interval": 0, "checkpoint.interval": 0}
+    runs = {}
+    for name, profile in (("plain", {}), ("profiled", {"logging.profile_start": 3, "logging.profile_steps": 2})):
+        (tmp_path / name).mkdir()
+        cfg = tiny_config(tmp_path / name, stdlib_data, **over, **profile)
+        r = run(["train.py", str(cfg)])
+        assert r.returncode == 0, r.stderr[-3000:]
+        runs[name] = (tmp_path / name / "run", r.stderr)
+    run_dir, log = runs["profiled"]
+    path = run_dir / "profile" / "rank0_steps3-4.json"
+    assert f"profiler trace of steps 3-4: {path}" in log
+    assert sorted(p.name for p in path.parent.iterdir()) == [path.name]  # no temporary left
+    assert not (runs["plain"][0] / "profile").exists()
+    events = json.loads(path.read_text())["traceEvents"]
+    steps = {e["name"]: e for e in events if e.get("name", "").startswith("step ")}
+    assert sorted(steps) == ["step 3", "step 4"]
+    for e in steps.values():  # the step's forward and backward inside its range
+        inside = {o["name"] for o in events if o.get("ph") == "X" and o.get("tid") == e["tid"]
+                  and e["ts"] <= o["ts"] and o["ts"] + o.get("dur", 0) <= e["ts"] + e["dur"]}
+        assert {"aten::linear", "aten::scaled_dot_product_attention"} <= inside, sorted(inside)[:50]
+        assert any(n.startswith("autograd::engine::evaluate_function") for n in inside)
+    assert losses(run_dir) == losses(runs["plain"][0])
+
+
 RANK_0_DISK_FULL = """
 import errno, os, pathlib
 mkdir = pathlib.Path.mkdir

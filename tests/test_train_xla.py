@@ -57,6 +57,30 @@ def test_spmd_mesh_matches_one_device(tmp_path, stdlib_data, mesh, loss_chunk):
     assert r.returncode == 0 and "resumed from" in r.stderr, r.stderr[-3000:]
 
 
+def test_a_profile_traces_device_execution_and_compiles_nothing_new(tmp_path, stdlib_data):
+    """logging.profile_start on train_xla.py: torch_xla's XProf trace (TensorBoard's profile
+    plugin layout) of steps 4 and 5, holding their step markers and the device's executions;
+    the run compiles and computes exactly what it does without it."""
+    over = {"training.max_steps": 7, "evaluation.interval": 0, "checkpoint.interval": 0, "logging.interval": 1}
+    runs = {}
+    for name, profile in (("plain", {}), ("profiled", {"logging.profile_start": 4, "logging.profile_steps": 2})):
+        (tmp_path / name).mkdir()
+        r = run(["train_xla.py", str(tiny_config(tmp_path / name, stdlib_data, **over, **profile))])
+        assert r.returncode == 0, r.stderr[-3000:]
+        runs[name] = (tmp_path / name / "run", r.stderr)
+    run_dir, log = runs["profiled"]
+    folder = run_dir / "profile" / "rank0_steps4-5"
+    assert f"profiler trace of steps 4-5: {folder}" in log
+    [trace] = folder.glob("plugins/profile/*/*.trace.json.gz")
+    assert list(trace.parent.glob("*.xplane.pb"))
+    import gzip
+    names = [e.get("name") for e in json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]]
+    assert names.count("StepMarker") >= 2 and "PjRtCpuExecutable::ExecuteHelper" in names
+    plain, profiled = (metrics(r) for r in (runs["plain"][0], run_dir))
+    assert [m["xla_compilations"] for m in profiled] == [m["xla_compilations"] for m in plain]
+    assert losses(run_dir) == losses(runs["plain"][0])
+
+
 def test_spmd_muon_matches_one_device(tmp_path, stdlib_data):
     """Muon over an fsdp x tp mesh (its matrices sharded; the Newton-Schulz batch of each shape
     stacks them) trains like Muon in train.py on one device. Its last step, at learning rate 0

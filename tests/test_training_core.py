@@ -157,6 +157,8 @@ def test_config_unknown_section(tmp_path):
     ("training: {max_steps: 3, grad_clip: -1}", r"training.grad_clip=-1.0 must be >= 0$"),
     ("training: {max_steps: 3, min_lr_ratio: 1.5}", r"training.min_lr_ratio=1.5 must be in \[0, 1\]$"),
     ("training: {max_steps: 3, warmup_steps: -1}", r"training.warmup_steps=-1 must be >= 0$"),
+    ("training: {max_steps: 3}\nlogging: {profile_start: -1}", r"logging.profile_start=-1 must be >= 0 \(0: no profile\)$"),
+    ("training: {max_steps: 3}\nlogging: {profile_steps: 0}", r"logging.profile_steps=0 must be at least 1$"),
     ("training: {max_steps: 3, decay_ratio: 0}", r"training.decay_ratio=0.0 must be in \(0, 1\]$"),
     ("training: {max_steps: 3, decay_ratio: 1.5}", r"training.decay_ratio=1.5 must be in \(0, 1\]$"),
     ("training: {max_steps: 3, decay_shape: sqrt}",
@@ -239,6 +241,15 @@ def test_settings_that_do_nothing_are_said():
         rates = [lr_at(i, steps, 1.0, warmup, 0.1) for i in range(steps)]
         never_decays = all(b >= a for a, b in zip(rates, rates[1:]))
         assert never_decays == (said is not None or steps == 1), rates
+    # wsd decays its last step to the floor after such a warmup: nothing to say
+    wsd = base + ["model.nash_window=16", "training.warmup_steps=9", "training.schedule=wsd"]
+    assert settings_warnings(load_config(None, wsd), 256, max_steps=10) == []
+    assert lr_at(9, 10, 1.0, 9, 0.1, "wsd") == pytest.approx(0.1)
+    # a profile that starts past the run's end
+    for start, said in ((10, []), (11, ["warning: logging.profile_start=11 is past the run's 10 steps: "
+                                        "nothing is profiled"])):
+        cfg = load_config(None, base + ["model.nash_window=16", "training.warmup_steps=2", f"logging.profile_start={start}"])
+        assert settings_warnings(cfg, 256, max_steps=10) == said
 
 
 def test_a_changed_architecture_is_refused_in_the_config_file_spelling():

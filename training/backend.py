@@ -252,6 +252,34 @@ class Backend:
     def finish(self, run_dir: Path, log: Callable[[str], None]) -> None:
         """End of the run (XLA writes its compile metrics here)."""
 
+    # -- profiling (logging.profile_start) ------------------------------------------------------
+    _profile = None
+
+    def start_profile(self, folder: Path, name: str) -> None:
+        """Start a trace of this process's host and device work: torch.profiler (CPU, and CUDA's
+        kernels on a GPU), written by ``stop_profile`` as ``folder/rank<R>_<name>.json``, a
+        Chrome trace (chrome://tracing, Perfetto, TensorBoard)."""
+        from torch.profiler import ProfilerActivity, profile
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        prof = profile(activities=activities)
+        prof.start()
+        self._profile = (prof, folder / f"rank{self.rank}_{name}.json")
+
+    def profile_scope(self, name: str):
+        """A named range in the trace (a step), or nothing when no trace runs."""
+        return torch.profiler.record_function(name) if self._profile is not None else contextlib.nullcontext()
+
+    def stop_profile(self) -> Path:
+        """Stop the trace (after the device's queued work) and write it; returns where."""
+        prof, path = self._profile
+        self._profile = None
+        prof.stop()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        prof.export_chrome_trace(str(tmp))
+        os.replace(tmp, path)
+        return path
+
     def shutdown(self) -> None:
         pass
 

@@ -139,6 +139,12 @@ class WandbConfig:
 @dataclass
 class LoggingConfig:
     interval: int = _help("log (and sync with the device) every this many steps", default=10)
+    profile_start: int = _help(
+        "trace profile_steps optimiser steps from this one (1-based; 0: none) into <logging.dir>/profile/: "
+        "torch.profiler's Chrome trace per process on train.py, torch_xla's XProf trace on train_xla.py "
+        "(TensorBoard's profile plugin); after warm-up, e.g. 10. Ends with a wait for the device",
+        default=0)
+    profile_steps: int = _help("steps in the profiler trace", default=3)
     dir: Optional[str] = _help(
         "where the master process writes metrics.jsonl, TensorBoard's tb/, W&B's files and the XLA "
         "compile metrics (null: checkpoint.dir). Set it to a local directory when checkpoint.dir is "
@@ -557,6 +563,10 @@ def check(cfg: Config) -> None:
         bad(f"checkpoint.keep={cfg.checkpoint.keep} must be at least 1")
     if cfg.logging.interval < 1:
         bad(f"logging.interval={cfg.logging.interval} must be at least 1")
+    if cfg.logging.profile_start < 0:
+        bad(f"logging.profile_start={cfg.logging.profile_start} must be >= 0 (0: no profile)")
+    if cfg.logging.profile_steps < 1:
+        bad(f"logging.profile_steps={cfg.logging.profile_steps} must be at least 1")
     if cfg.logging.dir is not None and not cfg.logging.dir.strip():
         bad("logging.dir is empty: give a directory, or null for checkpoint.dir")
     if cfg.logging.peak_flops is not None and not 0 <= cfg.logging.peak_flops < math.inf:

@@ -32,7 +32,7 @@ from .config import Config, ConfigError, check_data, config_from_dict, yaml_valu
 from .data import (DataStream, TokenWindows, check_same_tokenizer, data_change_warning,
                    data_fingerprint, eval_batches, stop_signals_taken)
 from .hf import load_initial_weights
-from .monitor import Monitor, claim_log_dir, info, survive_a_lost_terminal
+from .monitor import Monitor, StepProfiler, claim_log_dir, info, survive_a_lost_terminal
 from .optim import build_optimizer, lr_at, set_lr
 
 
@@ -156,6 +156,9 @@ def settings_warnings(cfg: Config, tokens_per_step: int, data_vocab: int | None 
         # the cosine's one step (its progress 0 of at least 1) is at the peak
         out.append(f"warning: training.warmup_steps={t.warmup_steps} leaves one of the run's {max_steps:,} "
                    "steps after warmup, at the peak learning rate: it never decays")
+    if max_steps is not None and cfg.logging.profile_start > max_steps:
+        out.append(f"warning: logging.profile_start={cfg.logging.profile_start} is past the run's "
+                   f"{max_steps:,} steps: nothing is profiled")
     if data_vocab is not None and m.vocab_size > 2 * data_vocab:
         unused = m.vocab_size - data_vocab
         weights = unused * m.d_model * (1 if m.tie_embeddings else 2)
@@ -333,6 +336,8 @@ class Trainer:
         self.batches = backend.batches(self.stream)
         self.amp_dtype = backend.autocast_dtype(t_cfg.precision)
         self.monitor = Monitor(cfg, self.log_dir, backend.is_master, self.max_steps, state.step)
+        self.profiler = StepProfiler(backend, self.log_dir / "profile", cfg.logging.profile_start,
+                                     cfg.logging.profile_steps, self.max_steps, self.log_line)
         self.params = [p for p in raw_model.parameters() if p.requires_grad]
         self.flops_per_token = raw_model.flops_per_token(d_cfg.seq_len)
         self.peak = cfg.logging.peak_flops or backend.peak_flops(cfg.training.precision)
@@ -621,7 +626,8 @@ class Trainer:
                 lr = lr_at(state.step + self.schedule_shift, self.max_steps + self.schedule_shift,
                            t_cfg.learning_rate, t_cfg.warmup_steps, t_cfg.min_lr_ratio,
                            t_cfg.schedule, t_cfg.decay_ratio, t_cfg.decay_shape)
-                values = self.train_step(lr)
+                with self.profiler.step(state.step + 1):
+                    values = self.train_step(lr)
                 state.step += 1
                 state.batches_done += t_cfg.gradient_accumulation_steps
                 state.tokens_seen = self.tokens_at(state.step)
@@ -637,6 +643,7 @@ class Trainer:
                     backend.on_host(self.log, values, names, state.step, lr, paused_s)
                 backend.sync()
                 self.monitor.advance(state.step)
+                self.paused_seconds += self.profiler.after(state.step)
 
                 saving = cfg.checkpoint.interval > 0 and state.step % cfg.checkpoint.interval == 0 and not last
                 # Decisions together, after every step (Backend.decides_every_step) or at the
@@ -672,6 +679,7 @@ class Trainer:
             cleanup.callback(self.backend.close_batches, self.batches)  # stop prefetching, join the workers
             cleanup.callback(self.monitor.close)
             cleanup.callback(self.backend.wait_host)  # the last log lines reach metrics.jsonl first
+            cleanup.callback(self.profiler.close)  # a run stopped inside the window: what it traced
 
     def _save_last(self, reason: str) -> None:
         """The run's last save, committed before returning; none when the periodic save of this

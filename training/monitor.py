@@ -224,6 +224,39 @@ def _wandb_run_id(run_dir: Path, start_step: int) -> str:
     return run_id
 
 
+class StepProfiler:
+    """A profiler trace of optimiser steps ``start`` .. ``start + steps - 1`` (1-based; at most
+    ``max_steps``) that this run executes, on every process (the steps are the same everywhere: nothing to agree on),
+    through the backend's profiler; ``start`` 0: none. A run resumed past ``start`` traces
+    nothing; one that stops inside the window writes what it traced."""
+
+    def __init__(self, backend, folder: Path, start: int, steps: int, max_steps: int, log):
+        self.backend, self.folder, self.log = backend, folder, log
+        self.first, self.last = start, min(start + steps - 1, max_steps)
+        self.running = False
+
+    def step(self, step: int):
+        """Around step ``step``: starts the trace at the first."""
+        if self.first and step == self.first:
+            self.backend.start_profile(self.folder, f"steps{self.first}-{self.last}")
+            self.running = True
+        return self.backend.profile_scope(f"step {step}")
+
+    def after(self, step: int) -> float:
+        """After step ``step`` (and its sync): the trace ends after the last. Returns the seconds
+        that took (writing the trace), which are no training time."""
+        if not (self.running and step >= self.last):
+            return 0.0
+        t0 = time.perf_counter()
+        self.close()
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        if self.running:
+            self.running = False
+            self.log(f"profiler trace of steps {self.first}-{self.last}: {self.backend.stop_profile()}")
+
+
 def progress_line(step: int, total: int, m: dict) -> str:
     """The console line of a log step without a progress bar: what the bar shows, and the time left."""
     parts = [f"step {step}/{total}", f"loss {m['loss']:.4f}", f"lr {m.get('lr', 0):.2e}"]

@@ -27,6 +27,7 @@ gathered. ddp checkpoints are single files by the master.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import json
@@ -871,6 +872,28 @@ class XLABackend(Backend):
         import torch.distributed as dist
         if self._made_group and dist.is_initialized():
             dist.destroy_process_group()
+
+    def start_profile(self, folder: Path, name: str) -> None:
+        """torch_xla's profiler (XProf): the host's tracing and compiling, and the device's
+        execution (each ``torch_xla.sync`` is a StepMarker), into
+        ``folder/<process>_<name>/plugins/profile/<time>/<host>.xplane.pb`` (and a
+        ``.trace.json.gz``): TensorBoard's profile plugin on that directory shows it. A
+        scope around a step is none here: ``torch_xla.sync`` refuses to run inside one."""
+        import torch_xla.debug.profiler as xp
+        who = f"process{xr.process_index()}" if self.spmd else f"rank{self.rank}"
+        path = folder / f"{who}_{name}"
+        xp.start_trace(str(path))
+        self._profile = path
+
+    def profile_scope(self, name: str):
+        return contextlib.nullcontext()
+
+    def stop_profile(self) -> Path:
+        import torch_xla.debug.profiler as xp
+        xm.wait_device_ops()  # the profiled steps' device work, queued after their sync, into the trace
+        path, self._profile = self._profile, None
+        xp.stop_trace()
+        return path
 
     def finish(self, run_dir: Path, log: Callable[[str], None]) -> None:
         torch_xla.sync()
