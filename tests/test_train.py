@@ -367,6 +367,55 @@ def test_fsdp2_ranks_past_0_build_no_weights_and_receive_their_shards(tmp_path):
     run_on_two_processes(FSDP2_BUILD, tmp_path)
 
 
+FSDP2_COMPILED = f"""
+import sys
+sys.path.insert(0, {str(ROOT)!r})
+import torch, torch.distributed as dist
+import torch._dynamo
+from types import SimpleNamespace
+from torch._dynamo.utils import counters
+from model import ModelConfig, NashMHC
+from training.backend import TorchBackend, compile_regions
+backend = TorchBackend("cpu", fsdp=True)
+rank = backend.rank
+cfg = ModelConfig(vocab_size=96, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64)
+runs = {{}}
+for compiled in (False, True):
+    torch.manual_seed(1234)
+    model = backend.prepare_model(backend.new_model(lambda: NashMHC(cfg)),
+                                  SimpleNamespace(training=SimpleNamespace(precision="fp32", compile=False)))
+    if compiled:
+        compile_regions(model)  # what prepare_model does on CUDA with training.compile
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    data = torch.Generator().manual_seed(7 + rank)
+    runs[compiled] = []
+    for step in range(4):
+        torch._dynamo.config.error_on_recompile = compiled and step >= 1  # warm: the first step's graphs
+        idx = torch.randint(0, 96, (2, 64), generator=data)
+        loss = model(idx, idx).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        runs[compiled].append(loss.item())
+assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])  # one block's, the loss's
+for a, b in zip(runs[False], runs[True]):
+    assert abs(a - b) <= 1e-5 * abs(a), (rank, runs)
+open(f"{{sys.argv[1]}}/ok{{rank}}", "w").close()
+dist.destroy_process_group()
+"""
+
+
+@needs_torchrun
+@pytest.mark.slow
+def test_fsdp2_with_compiled_blocks_trains_as_eager_and_compiles_once(tmp_path):
+    """train.py's GPU path of training.fsdp with training.compile, checked on CPU (gloo, inductor):
+    FSDP2's hooks around blocks whose forward is compiled (compile_regions, after fully_shard):
+    two graphs (one block's, reused by the other; the loss), no recompilation after the first
+    step while FSDP2 gathers and frees the weights around every call, and the losses of the
+    eager FSDP2 model from the same weights."""
+    run_on_two_processes(FSDP2_COMPILED, tmp_path)
+
+
 @needs_torchrun
 @pytest.mark.slow
 def test_fsdp2_init_from_is_read_by_rank_0_alone(tmp_path, stdlib_data):
