@@ -313,12 +313,12 @@ def test_muon_orthogonalises_fsdp2_shards_as_whole_matrices(tmp_path):
     run_on_two_processes(ORTHOGONALISE_SHARDS, tmp_path)
 
 
-def run_on_two_processes(script_text: str, tmp_path: Path) -> None:
-    """``script_text`` under torchrun, 2 gloo processes, given ``tmp_path``: each must exit 0
-    and leave ``ok<RANK>`` there (its checks passed)."""
+def run_on_two_processes(script_text: str, tmp_path: Path, *args: str) -> None:
+    """``script_text`` under torchrun, 2 gloo processes, given ``tmp_path`` (and ``args``): each
+    must exit 0 and leave ``ok<RANK>`` there (its checks passed)."""
     script = tmp_path / "script.py"
     script.write_text(script_text)
-    r = subprocess.run([TORCHRUN, "--standalone", "--nproc_per_node=2", str(script), str(tmp_path)], cwd=ROOT,
+    r = subprocess.run([TORCHRUN, "--standalone", "--nproc_per_node=2", str(script), str(tmp_path), *args], cwd=ROOT,
                        env=ENV, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert (tmp_path / "ok0").exists() and (tmp_path / "ok1").exists(), r.stdout
@@ -367,7 +367,7 @@ def test_fsdp2_ranks_past_0_build_no_weights_and_receive_their_shards(tmp_path):
     run_on_two_processes(FSDP2_BUILD, tmp_path)
 
 
-FSDP2_COMPILED = f"""
+COMPILED_OVER_PROCESSES = f"""
 import sys
 sys.path.insert(0, {str(ROOT)!r})
 import torch, torch.distributed as dist
@@ -376,16 +376,20 @@ from types import SimpleNamespace
 from torch._dynamo.utils import counters
 from model import ModelConfig, NashMHC
 from training.backend import TorchBackend, compile_regions
-backend = TorchBackend("cpu", fsdp=True)
+fsdp = sys.argv[2] == "fsdp"
+backend = TorchBackend("cpu", fsdp=fsdp)
 rank = backend.rank
 cfg = ModelConfig(vocab_size=96, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64)
 runs = {{}}
 for compiled in (False, True):
     torch.manual_seed(1234)
-    model = backend.prepare_model(backend.new_model(lambda: NashMHC(cfg)),
-                                  SimpleNamespace(training=SimpleNamespace(precision="fp32", compile=False)))
-    if compiled:
-        compile_regions(model)  # what prepare_model does on CUDA with training.compile
+    model = backend.new_model(lambda: NashMHC(cfg))
+    # where prepare_model compiles on CUDA with training.compile: after fully_shard, before DDP
+    if compiled and not fsdp:
+        compile_regions(model)
+    model = backend.prepare_model(model, SimpleNamespace(training=SimpleNamespace(precision="fp32", compile=False)))
+    if compiled and fsdp:
+        compile_regions(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     data = torch.Generator().manual_seed(7 + rank)
     runs[compiled] = []
@@ -407,13 +411,14 @@ dist.destroy_process_group()
 
 @needs_torchrun
 @pytest.mark.slow
-def test_fsdp2_with_compiled_blocks_trains_as_eager_and_compiles_once(tmp_path):
-    """train.py's GPU path of training.fsdp with training.compile, checked on CPU (gloo, inductor):
-    FSDP2's hooks around blocks whose forward is compiled (compile_regions, after fully_shard):
-    two graphs (one block's, reused by the other; the loss), no recompilation after the first
-    step while FSDP2 gathers and frees the weights around every call, and the losses of the
-    eager FSDP2 model from the same weights."""
-    run_on_two_processes(FSDP2_COMPILED, tmp_path)
+@pytest.mark.parametrize("mode", ["fsdp", "ddp"])
+def test_compiled_blocks_under_fsdp2_and_ddp_train_as_eager_and_compile_once(tmp_path, mode):
+    """train.py's GPU path of training.compile over processes, checked on CPU (gloo, inductor):
+    FSDP2's hooks around blocks whose forward is compiled (compile_regions after fully_shard), or
+    DDP around them: two graphs (one block's, reused by the other; the loss), no recompilation
+    after the first step (FSDP2 gathers and frees the weights around every call), and the losses
+    of the eager model from the same weights."""
+    run_on_two_processes(COMPILED_OVER_PROCESSES, tmp_path, mode)
 
 
 @needs_torchrun
