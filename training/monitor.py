@@ -226,9 +226,9 @@ def _wandb_run_id(run_dir: Path, start_step: int) -> str:
 
 class StepProfiler:
     """A profiler trace of optimiser steps ``start`` .. ``start + steps - 1`` (1-based; at most
-    ``max_steps``) that this run executes, on every process (the steps are the same everywhere: nothing to agree on),
-    through the backend's profiler; ``start`` 0: none. A run resumed past ``start`` traces
-    nothing; one that stops inside the window writes what it traced."""
+    ``max_steps``) that this run executes, on every process (the steps are the same everywhere:
+    nothing to agree on), through the backend's profiler; ``start`` 0: none. A run resumed past
+    ``start`` traces nothing; one that stops inside the window writes what it traced."""
 
     def __init__(self, backend, folder: Path, start: int, steps: int, max_steps: int, log):
         self.backend, self.folder, self.log = backend, folder, log
