@@ -1246,8 +1246,10 @@ def test_a_token_budget_resumed_with_another_batch_keeps_its_budget_and_its_sche
 def test_a_wsd_run_extended_from_its_stable_part_goes_on_as_if_planned(tmp_path, stdlib_data):
     """training.schedule=wsd: the peak, then the last decay_ratio of the steps decaying to
     min_lr_ratio at the last. Stopped in its stable part (16 steps planned, saved at 6) and resumed
-    with 24, the run has the rates of a 24-step run from the start: what WSD is for."""
-    over = {"training.max_steps": 16, "checkpoint.interval": 100, "evaluation.interval": 0,
+    with 24, the run has the rates of a 24-step run from the start: what WSD is for. The
+    checkpoints at multiples of checkpoint.keep_every stay besides the newest (checkpoint.keep 1)."""
+    over = {"training.max_steps": 16, "checkpoint.interval": 2, "checkpoint.keep": 1,
+            "checkpoint.keep_every": 4, "evaluation.interval": 0,
             "training.warmup_steps": 2, "training.schedule": "wsd", "training.decay_ratio": 0.25,
             "training.decay_shape": "1-sqrt"}
     cfg = tiny_config(tmp_path, stdlib_data, **over)
@@ -1259,6 +1261,8 @@ def test_a_wsd_run_extended_from_its_stable_part_goes_on_as_if_planned(tmp_path,
     from training.optim import lr_at
     assert lrs == pytest.approx([lr_at(s, 24, 3e-3, 2, 0.1, "wsd", 0.25, "1-sqrt") for s in range(24)], rel=1e-6)
     assert lrs[1:18] == pytest.approx([3e-3] * 17, rel=1e-6) and lrs[-1] == pytest.approx(3e-4, rel=1e-6)
+    from training.checkpoint import list_checkpoints
+    assert [s for s, _ in list_checkpoints(tmp_path / "run")] == [4, 8, 12, 16, 20, 24]
 
 
 def test_a_profile_traces_the_steps_it_names_and_changes_nothing_else(tmp_path, stdlib_data):

@@ -157,6 +157,7 @@ def test_config_unknown_section(tmp_path):
     ("training: {max_steps: 3, grad_clip: -1}", r"training.grad_clip=-1.0 must be >= 0$"),
     ("training: {max_steps: 3, min_lr_ratio: 1.5}", r"training.min_lr_ratio=1.5 must be in \[0, 1\]$"),
     ("training: {max_steps: 3, warmup_steps: -1}", r"training.warmup_steps=-1 must be >= 0$"),
+    ("training: {max_steps: 3}\ncheckpoint: {keep_every: -5}", r"checkpoint.keep_every=-5 must be >= 0 \(0: none\)$"),
     ("training: {max_steps: 3}\nlogging: {profile_start: -1}", r"logging.profile_start=-1 must be >= 0 \(0: no profile\)$"),
     ("training: {max_steps: 3}\nlogging: {profile_steps: 0}", r"logging.profile_steps=0 must be at least 1$"),
     ("training: {max_steps: 3, decay_ratio: 0}", r"training.decay_ratio=0.0 must be in \(0, 1\]$"),
@@ -245,6 +246,13 @@ def test_settings_that_do_nothing_are_said():
     wsd = base + ["model.nash_window=16", "training.warmup_steps=9", "training.schedule=wsd"]
     assert settings_warnings(load_config(None, wsd), 256, max_steps=10) == []
     assert lr_at(9, 10, 1.0, 9, 0.1, "wsd") == pytest.approx(0.1)
+    # milestones that no save lands on except at the common multiple
+    for every, said in ((1000, []), (1200, ["warning: checkpoint.keep_every=1200 is not a multiple of "
+                                            "checkpoint.interval=500: the checkpoints kept are those at "
+                                            "multiples of 6,000"])):
+        cfg = load_config(None, base + ["model.nash_window=16", "training.warmup_steps=2",
+                                        "checkpoint.interval=500", f"checkpoint.keep_every={every}"])
+        assert settings_warnings(cfg, 256, max_steps=10) == said
     # a profile that starts past the run's end
     for start, said in ((10, []), (11, ["warning: logging.profile_start=11 is past the run's 10 steps: "
                                         "nothing is profiled"])):
@@ -1069,6 +1077,18 @@ def test_rotation_keeps_the_newest(tmp_path):
         rotate(tmp_path, keep=2)
     assert [s for s, _ in list_checkpoints(tmp_path)] == [30, 40]
     assert not list(tmp_path.glob(".*tmp*"))
+
+
+def test_rotation_keeps_milestones_besides_the_newest(tmp_path):
+    """checkpoint.keep_every: a checkpoint at a multiple of it is never rotated away and is not
+    one of the ``keep`` newest; the others rotate as before."""
+    for s in (10, 20, 30, 40, 50, 60, 70):
+        atomic_torch_save(_ckpt(s), checkpoint_path(tmp_path, s))
+        rotate(tmp_path, keep=2, keep_every=30)
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [30, 50, 60, 70]  # 50 and 70: the two newest
+    atomic_torch_save(_ckpt(80), checkpoint_path(tmp_path, 80))
+    assert rotate(tmp_path, keep=2, keep_every=30) == [checkpoint_path(tmp_path, 50)]
+    assert rotate(tmp_path, keep=1, keep_every=0) == [checkpoint_path(tmp_path, s) for s in (30, 60, 70)]
 
 
 def test_rotation_removes_a_linked_checkpoint_not_what_it_points_to(tmp_path):

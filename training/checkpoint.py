@@ -466,9 +466,11 @@ def _delete(path: Path) -> None:
 
 
 def rotate(run_dir: str | Path, keep: int, newest: int | None = None,
-           warn: Callable[[str], None] | None = None) -> list[Path]:
+           warn: Callable[[str], None] | None = None, keep_every: int = 0) -> list[Path]:
     """Delete committed checkpoints older than ``newest`` (default: the newest committed) beyond
-    the ``keep`` newest, and unfinished saves older than it; return what was deleted. The master
+    the ``keep`` newest, and unfinished saves older than it; return what was deleted. Committed
+    checkpoints whose step is a multiple of ``keep_every`` (when not 0) are milestones: never
+    deleted here, and not among the ``keep``. The master
     calls it after a commit: nothing older than that commit is still being written. With ``warn``,
     one that cannot be deleted (a bucket that takes new objects but refuses deletes) is said
     there and the others still go; without, the error is raised."""
@@ -478,7 +480,7 @@ def rotate(run_dir: str | Path, keep: int, newest: int | None = None,
         if not committed:
             return []
         newest = committed[-1][0]
-    older = [p for s, p in committed if s < newest]
+    older = [p for s, p in committed if s < newest and not (keep_every and s % keep_every == 0)]
     doomed = older[:max(0, len(older) - (keep - 1))] if keep > 0 else []
     doomed += [p for s, p, ok in entries if not ok and s < newest]
     deleted = []
@@ -530,8 +532,9 @@ class Checkpointer:
     """
 
     def __init__(self, run_dir: str | Path, keep: int, backend, log: Callable[[str], None] = print,
-                 async_save: bool = False):
+                 async_save: bool = False, keep_every: int = 0):
         self.run_dir, self.keep, self.backend, self.log = Path(run_dir), keep, backend, log
+        self.keep_every = keep_every
         self.async_save = async_save
         self.sharded = backend.checkpoint_format == "dcp"
         self._thread: threading.Thread | None = None
@@ -865,7 +868,8 @@ class Checkpointer:
 
     def rotate(self, newest: int | None = None) -> list[Path]:
         """The master deletes committed checkpoints older than ``newest`` beyond ``keep``."""
-        return rotate(self.run_dir, self.keep, newest, warn=self.log) if self.backend.is_master else []
+        return (rotate(self.run_dir, self.keep, newest, warn=self.log, keep_every=self.keep_every)
+                if self.backend.is_master else [])
 
 
 def _jsonable(obj):

@@ -115,6 +115,9 @@ class CheckpointConfig:
     dir: str = _help("run directory: checkpoints (and the logs, unless logging.dir is set)", default="runs/demo")
     interval: int = _help("save every this many steps (0: only at the end and on SIGTERM)", default=500)
     keep: int = _help("complete checkpoints kept (oldest deleted first)", default=3)
+    keep_every: int = _help("checkpoints at a multiple of this step are kept besides, never deleted "
+                            "(0: none): milestones to evaluate later or, with training.schedule=wsd, "
+                            "to start decays of other lengths from", default=0)
     resume: str = _help("auto (newest committed checkpoint in dir, if any), none, or a checkpoint "
                         "path (a ckpt_*.pt file, a ckpt_* directory, or a run directory: its newest)", default="auto")
     async_: bool = _help("copy the state to host memory at the step and write it in a background "
@@ -561,6 +564,8 @@ def check(cfg: Config) -> None:
         bad(f"checkpoint.interval={cfg.checkpoint.interval} must be >= 0")
     if cfg.checkpoint.keep < 1:
         bad(f"checkpoint.keep={cfg.checkpoint.keep} must be at least 1")
+    if cfg.checkpoint.keep_every < 0:
+        bad(f"checkpoint.keep_every={cfg.checkpoint.keep_every} must be >= 0 (0: none)")
     if cfg.logging.interval < 1:
         bad(f"logging.interval={cfg.logging.interval} must be at least 1")
     if cfg.logging.profile_start < 0:

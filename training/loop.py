@@ -156,6 +156,11 @@ def settings_warnings(cfg: Config, tokens_per_step: int, data_vocab: int | None 
         # the cosine's one step (its progress 0 of at least 1) is at the peak
         out.append(f"warning: training.warmup_steps={t.warmup_steps} leaves one of the run's {max_steps:,} "
                    "steps after warmup, at the peak learning rate: it never decays")
+    c = cfg.checkpoint
+    if c.keep_every and c.interval and c.keep_every % c.interval:
+        every = math.lcm(c.keep_every, c.interval)
+        out.append(f"warning: checkpoint.keep_every={c.keep_every} is not a multiple of checkpoint.interval="
+                   f"{c.interval}: the checkpoints kept are those at multiples of {every:,}")
     if max_steps is not None and cfg.logging.profile_start > max_steps:
         out.append(f"warning: logging.profile_start={cfg.logging.profile_start} is past the run's "
                    f"{max_steps:,} steps: nothing is profiled")
@@ -273,7 +278,7 @@ class Trainer:
         holds_weights = not next(model.parameters()).is_meta
         self.state = RunState()
         self.checkpointer = Checkpointer(self.run_dir, cfg.checkpoint.keep, backend, self.log_line,
-                                         async_save=cfg.checkpoint.async_)
+                                         async_save=cfg.checkpoint.async_, keep_every=cfg.checkpoint.keep_every)
         resumed = self.checkpointer.find(cfg.checkpoint.resume)
         if cfg.logging.dir:  # the master's to write: its verdict is everyone's
             error = claim_log_dir(self.log_dir, self.run_dir) if backend.is_master else None
