@@ -247,6 +247,9 @@ class StepProfiler:
         that took (writing the trace), which are no training time."""
         if not (self.running and step >= self.last):
             return 0.0
+        # Pending log lines first (XLA writes them in asynchronous closures): each stamps the
+        # clock its interval ends at, and one that ran after the writing had it left out twice.
+        self.backend.wait_host()
         t0 = time.perf_counter()
         self.close()
         return time.perf_counter() - t0
