@@ -73,9 +73,9 @@ RECORD_BATCH = 1024  # records read at a time from json/parquet/datasets
 
 
 EXAMPLES = """examples:
-  # the Python standard library as a toy corpus, a 4096-token vocabulary
+  # the Python standard library as a toy corpus: what make demo prepares for configs/demo.yaml
   python prepare_data.py --input /usr/lib/python3.11 --glob '*.py' --exclude site-packages \\
-      --vocab-size 4096 --out data/stdlib
+      --vocab-size 2048 --val-fraction 0.01 --out data/stdlib
   # JSON lines with the text under "content"; the tokenizer of an earlier run
   python prepare_data.py --input shards/ --glob '*.jsonl' --text-column content \\
       --tokenizer data/stdlib --out data/more

@@ -2,7 +2,10 @@
 
     python train.py configs/demo.yaml [section.key=value ...]
     torchrun --nproc_per_node=8 train.py configs/small_gpu.yaml                     # DDP
-    torchrun --nproc_per_node=8 train.py configs/nash_mhc_3b.yaml training.fsdp=true  # FSDP2
+    torchrun --nproc_per_node=8 train.py configs/nash_mhc_3b.yaml training.fsdp=true \\
+        training.batch_size=1 training.gradient_accumulation_steps=32         # FSDP2, 1M tokens a step
+
+batch_size is per process here (in train_xla.py's spmd mode, the 3B config's, it is global).
 
 The XLA twin is train_xla.py: the same config, data, loop and checkpoints (see training/).
 """

@@ -28,7 +28,7 @@ def tiny_config(tmp_path: Path, data_dir: Path, **over) -> Path:
     }
     for key, value in over.items():
         section, k = key.split(".", 1)
-        cfg[section][k] = value
+        cfg.setdefault(section, {})[k] = value
     p = tmp_path / "cfg.yaml"
     p.write_text(yaml.safe_dump(cfg))
     return p

@@ -467,19 +467,24 @@ def test_ddp_replicas_draw_their_own_dropout_masks(tmp_path):
     """Every window of the data is the same, so each replica of a 2-process DDP run computes what
     one process does, and the logged step-1 loss (the replicas' mean) is one process's loss unless
     the replicas draw different dropout masks. They must (before, every rank seeded its generator
-    alike and drew rank 0's masks); without dropout the losses agree, which checks the data."""
+    alike and drew rank 0's masks); without dropout the losses agree, which checks the data.
+    (The second pair's config says xla.mode: spmd, whose batch_size is global: train.py warns
+    that its own is per process.)"""
     data = same_window_data(tmp_path / "data", 32)
     step1 = {}
     for dropout in (0.0, 0.3):
         over = {"model.dropout": dropout, "training.max_steps": 1, "evaluation.interval": 0,
-                "checkpoint.interval": 0}
+                "checkpoint.interval": 0, "xla.mode": "spmd" if dropout else "ddp"}
         one, two = tmp_path / f"one{dropout}", tmp_path / f"two{dropout}"
         one.mkdir(), two.mkdir()
         r = run(["train.py", str(tiny_config(one, data, **over)), "training.batch_size=2"])
-        assert r.returncode == 0, r.stderr[-3000:]
+        assert r.returncode == 0 and "xla.mode is spmd" not in r.stderr, r.stderr[-3000:]  # one process
         proc = torchrun(tiny_config(two, data, **over))
         out, err = proc.communicate(timeout=600)
         assert proc.returncode == 0 and "2 replica(s)" in err, err[-3000:]
+        warned = ("warning: the config's xla.mode is spmd, where training.batch_size=2 is the global batch; "
+                  "here it is per process: 2 processes train 2x as many sequences per step") in err
+        assert warned == bool(dropout), err[-3000:]
         step1[dropout] = losses(one / "run")[1], losses(two / "run")[1]
     a, b = step1[0.0]
     assert abs(a - b) <= 1e-6 * a, step1

@@ -392,6 +392,12 @@ class Trainer:
             f"{t_cfg.batch_size * self.replicas * t_cfg.gradient_accumulation_steps} sequences = "
             f"{self.tokens_per_step:,} tokens per step; {self.max_steps:,} steps"
             + (f" (training.total_tokens={t_cfg.total_tokens:,})" if t_cfg.max_steps is None else ""))
+        if split is None and cfg.xla.mode == "spmd" and self.replicas > 1:
+            # a config written for train_xla.py's spmd mode (the 3B one) run under torchrun
+            self.log_line(f"warning: the config's xla.mode is spmd, where training.batch_size={t_cfg.batch_size} is "
+                          f"the global batch; here it is per process: {self.replicas} processes train "
+                          f"{self.replicas}x as many sequences per step (set training.batch_size and "
+                          "training.gradient_accumulation_steps for this run)")
         for warning in settings_warnings(cfg, self.tokens_per_step, self.meta["vocab_size"], self.max_steps):
             self.log_line(warning)
         e_cfg, global_batch = cfg.evaluation, t_cfg.batch_size * self.replicas
