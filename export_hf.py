@@ -197,13 +197,15 @@ def model_card(name: str, model, ckpt: dict, where: Path, why_remote: str | None
         f"| context | {cfg.max_seq_len} tokens |",
         f"| weights | {dtype} |", "",
         "## Training", "",
-        f"- data: `{Path(str(data.get('dir', '?'))).name}` (prepare_data.py shards), windows of "
-        f"{data.get('seq_len', '?')} tokens",
-        f"- optimiser: {training.get('optimizer', '?')}, peak learning rate {training.get('learning_rate', '?')}, "
-        f"{training.get('precision', '?')} precision",
-        f"- step {step}" + (f", {tokens:,} tokens" if isinstance(tokens, int) else "")
-        + (f"; validation loss {loss:.4f} at this step (perplexity {math.exp(min(loss, 50.0)):.2f})"
-           if loss is not None else ""), "",
+        *([f"- data: `{Path(str(data.get('dir', '?'))).name}` (prepare_data.py shards), windows of "
+           f"{data.get('seq_len', '?')} tokens",
+           f"- optimiser: {training.get('optimizer', '?')}, peak learning rate {training.get('learning_rate', '?')}, "
+           f"{training.get('precision', '?')} precision",
+           f"- step {step}" + (f", {tokens:,} tokens" if isinstance(tokens, int) else "")
+           + (f"; validation loss {loss:.4f} at this step (perplexity {math.exp(min(loss, 50.0)):.2f})"
+              if loss is not None else "")]
+          if data or training else  # a checkpoint of `--import`: weights made elsewhere
+          [f"- none by this toolkit: the weights of `{ckpt.get('trainer', '?')}`"]), "",
         "## Limitations", "",
         "A pre-training checkpoint, evaluated only by its loss on held-out text of its training "
         "corpus: no instruction tuning, no safety filtering; what it writes reflects that data.", "",
@@ -302,7 +304,10 @@ def build_hf_model(model, sd: dict, rows: int, spec):
     else:
         from modeling_nash_mhc import NashMHCConfig, NashMHCForCausalLM
 
-        hf_cfg = NashMHCConfig(**dataclasses.replace(cfg, vocab_size=rows).to_dict(), **ids)
+        # activation checkpointing is the run's memory setting, not the model's: an export loads
+        # without it, as a Llama export does (activation_checkpointing_enable() turns it on)
+        hf_cfg = NashMHCConfig(**dataclasses.replace(cfg, vocab_size=rows, activation_checkpointing=False).to_dict(),
+                               **ids)
         hf_cfg.auto_map = dict(AUTO_MAP)
         with torch.device("meta"):
             hf = NashMHCForCausalLM(hf_cfg)
@@ -434,7 +439,10 @@ def import_llama(args) -> str:
         raise ExportError(f"{args.import_dir}: our logits differ from transformers' by {diff:.3g} "
                           f"(max |logit| {scale:.3g}): import refused")
     del hf
-    run_config = Config(model=cfg).to_dict()
+    # The model section alone: the schema's defaults of the others (data.dir data/stdlib, a
+    # learning rate, a precision) would pass for this checkpoint's training, and sample.py and an
+    # export would take the tokenizer of whatever data/stdlib holds here instead of asking for it.
+    run_config = {"model": Config(model=cfg).to_dict()["model"]}
     atomic_torch_save({
         "format_version": FORMAT_VERSION,
         "model": model.state_dict(),   # weights only: start a run from it with checkpoint.init_from

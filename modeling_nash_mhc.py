@@ -60,6 +60,19 @@ class NashMHCConfig(PreTrainedConfig):
     def model_config(self) -> ModelConfig:
         return ModelConfig.from_dict({name: getattr(self, name) for name in ModelConfig().to_dict()})
 
+    # LlamaConfig's names of what model.py derives, for tools that read them (read only)
+    @property
+    def head_dim(self) -> int:
+        return self.model_config().head_dim
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.model_config().ffn_hidden
+
+    @property
+    def hidden_act(self) -> str:
+        return "silu"  # SwiGLU's gate
+
 
 class NashMHCForCausalLM(PreTrainedModel, GenerationMixin):
     config_class = NashMHCConfig
@@ -98,11 +111,15 @@ class NashMHCForCausalLM(PreTrainedModel, GenerationMixin):
         for p, value in loaded.items():
             p.copy_(value)
 
-    def _set_gradient_checkpointing(self, enable: bool = True, gradient_checkpointing_func=None, **kwargs):
+    def _set_gradient_checkpointing(self, enable: bool = True, gradient_checkpointing_func=None,
+                                    every_n_layers: int = 1, **kwargs):
         """activation_checkpointing_enable() (4.x: gradient_checkpointing_enable()): model.py's
         activation checkpointing of every block, with transformers' checkpoint function.
         ``gradient_checkpointing`` is the attribute transformers' ``is_activation_checkpointing``
         (``is_gradient_checkpointing``) looks for on the modules."""
+        if enable and every_n_layers != 1:
+            raise ValueError(f"every_n_layers={every_n_layers}: Nash-MHC checkpoints every block or none "
+                             "(every_n_layers=1)")
         self.model.config.activation_checkpointing = self.config.activation_checkpointing = enable
         self.gradient_checkpointing = enable
         if enable and gradient_checkpointing_func is not None:

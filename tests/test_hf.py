@@ -177,15 +177,23 @@ def test_nash_mhc_exports_with_remote_code(tmp_path, stdlib_data, arch, request)
     if arch is NASH:
         ours, out = request.getfixturevalue("nash_export")
     else:
-        ours, out = make_run(tmp_path / "run", stdlib_data, **arch), tmp_path / "hf"
+        # trained with activation checkpointing: a memory setting of the run, which the export
+        # leaves off (transformers' activation_checkpointing_enable() turns it on)
+        ours, out = make_run(tmp_path / "run", stdlib_data, **arch, activation_checkpointing=True), tmp_path / "hf"
         assert export(tmp_path / "run", out) == 0
+        ours.config.activation_checkpointing = False
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "nash_mhc" and config["auto_map"] == export_hf.AUTO_MAP
+    assert config["activation_checkpointing"] is False
     for name in ("model.py", "modeling_nash_mhc.py"):  # the repository's code, verbatim
         assert (out / name).read_bytes() == (ROOT / name).read_bytes()
     check_model_card(out, remote=True, step=7)
     hf = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
     assert type(hf).__name__ == "NashMHCForCausalLM" and hf.config.model_config().to_dict() == ours.config.to_dict()
+    assert not hf.is_activation_checkpointing
+    # LlamaConfig's names for what model.py derives
+    assert (hf.config.head_dim, hf.config.intermediate_size, hf.config.hidden_act) == \
+        (ours.config.head_dim, ours.config.ffn_hidden, "silu")
     x = tokens(2, 50)  # not a multiple of the coarsest block: padded inside, as in training
     with torch.no_grad():
         assert (hf(x).logits - ours(x).logits).abs().max() <= 1e-4
@@ -252,6 +260,8 @@ def test_remote_code_model_in_transformers_workflows(tmp_path, nash_export):
             hf.activation_checkpointing_enable()
             # transformers' own reading of it (Trainer and PEFT ask it), as well as ours
             assert hf.model.config.activation_checkpointing and hf.is_activation_checkpointing
+            with pytest.raises(ValueError, match="every_n_layers=2: Nash-MHC checkpoints every block"):
+                hf.activation_checkpointing_enable(every_n_layers=2)  # transformers' option: not ignored
         hf.zero_grad()
         loss = hf(x, labels=x).loss
         loss.backward()
@@ -655,6 +665,18 @@ def test_import_llama_then_train_and_resume(tmp_path, stdlib_data, llama_dir, ca
         assert torch.equal(ckpt["model"][ours_name], hf_sd[hf_name]), ours_name
     model_section = yaml.safe_load(printed[printed.index("model:"):])["model"]
     assert model_section == ckpt["config"]["model"] and model_section["rope_theta"] == 500000.0
+    # the model section alone: the schema's defaults for the rest (data.dir data/stdlib, a learning
+    # rate) made sample.py and an export take whatever tokenizer data/stdlib held, and the card
+    # describe a training that never was
+    assert list(ckpt["config"]) == ["model"]
+    assert export(init, tmp_path / "exported") == 2
+    assert one_error_line(capsys.readouterr().err).endswith(f"{init}: no data.dir in the stored config; "
+                                                            "pass --tokenizer DIR")
+    assert export(init, tmp_path / "exported", "--tokenizer", stdlib_data) == 0
+    card = (tmp_path / "exported" / "README.md").read_text()
+    assert f"- none by this toolkit: the weights of `export_hf.py --import {hf_dir}`" in card
+    assert "learning rate" not in card
+    capsys.readouterr()
     ours = NashMHC(ModelConfig(**model_section)).eval()
     ours.load_state_dict(ckpt["model"])
     x = tokens(2, 64)
@@ -732,6 +754,12 @@ def test_import_refuses_what_the_baseline_cannot_represent(tmp_path, llama_dir, 
         (hf_dir / "config.json").write_text(json.dumps({**cfg, key: value}))
         assert export("--import", hf_dir, tmp_path / "x.pt") == 2
         assert expect in one_error_line(capsys.readouterr().err)
+    # shapes other than config.json's: each tensor named with both shapes (transformers' own
+    # error pointed at a report its muted logging never printed)
+    (hf_dir / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 192}))
+    assert export("--import", hf_dir, tmp_path / "x.pt") == 2
+    assert "'model.layers.0.mlp.down_proj.weight [64, 160] in the file, [64, 192] by config.json'" in \
+        one_error_line(capsys.readouterr().err)
     (hf_dir / "config.json").write_text(json.dumps(cfg))
     from safetensors.torch import load_file, save_file
     weights = load_file(hf_dir / "model.safetensors")

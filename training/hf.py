@@ -158,13 +158,18 @@ def load_llama(path: str | Path):
     try:
         model, info = LlamaForCausalLM.from_pretrained(
             path, config=hf_cfg, dtype=torch.float32, use_safetensors=True, local_files_only=True,
-            trust_remote_code=False, output_loading_info=True)
+            trust_remote_code=False, output_loading_info=True,
+            # a tensor of another shape than config.json's is then named in the info (refused
+            # below), where transformers' own error points at a report the muted logging hides
+            ignore_mismatched_sizes=True)
     except Exception as e:
         raise CheckpointError(f"{path}: weights do not load ({first_line(e)})") from None
     finally:
         hf_logging.set_verbosity(verbosity)
         if bars:
             hf_logging.enable_progress_bar()
+    info["mismatched_keys"] = [f"{k} {list(a)} in the file, {list(b)} by config.json"
+                               for k, a, b in info.get("mismatched_keys") or []]
     bad = {k: sorted(map(str, v))[:3] for k, v in info.items()
            if k in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs") and v}
     if bad:  # transformers would fill missing weights with random values: never start from those
