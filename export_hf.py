@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -69,6 +70,9 @@ class ExportError(Exception):
 ADDING_POST_PROCESSORS = ("TemplateProcessing", "BertProcessing", "RobertaProcessing")
 
 
+SAME_IDS_AS = "nash_mhc_same_ids_as_sha256"  # tokenizer_config.json: see training.hf.tokenizer_record
+
+
 def _without_added_tokens(post):
     """A tokenizer.json ``post_processor`` without the parts that add special tokens (None if
     nothing is left)."""
@@ -95,12 +99,15 @@ def export_tokenizer_files(spec: TokenizerSpec, max_seq_len: int) -> dict[str, b
     files = dict(spec.hf_files)
     tok = json.loads(spec.json_text)
     post = _without_added_tokens(tok.get("post_processor"))
+    config = json.loads(files["tokenizer_config.json"])
     if post != tok.get("post_processor"):
         tok["post_processor"] = post
         files["tokenizer.json"] = json.dumps(tok, ensure_ascii=False, indent=2).encode()
+        # the same token ids as the file the data was prepared with (no special tokens are added
+        # there): checkpoint.init_from of this export goes on with that data (tokenizer_record)
+        config[SAME_IDS_AS] = hashlib.sha256(spec.json_text.encode()).hexdigest()
     else:
         files["tokenizer.json"] = spec.json_text.encode()
-    config = json.loads(files["tokenizer_config.json"])
     config.update(padding_side="left", truncation_side="left", model_max_length=max_seq_len,
                   add_bos_token=False, add_eos_token=False, split_special_tokens=True)
     if spec.pad is None and not config.get("pad_token"):

@@ -6,6 +6,7 @@ bias and temperature matters) in the trainers' checkpoint format, on the stdlib 
 tokenizer. Logits are compared in fp32 to 1e-4 (observed: ~1e-6 for Llama, 0 for the remote code,
 which runs model.py itself).
 """
+import hashlib
 import json
 import os
 import subprocess
@@ -533,6 +534,17 @@ def test_an_imported_tokenizer_that_adds_a_bos_encodes_in_the_export_as_in_train
         json.loads(tok.to_str())["post_processor"]["processors"][0]]}
     assert {k: v for k, v in exported.items() if k != "post_processor"} == \
         {k: v for k, v in json.loads(tok.to_str()).items() if k != "post_processor"}
+    # the export as checkpoint.init_from on the data prepared with the original tokenizer: its
+    # tokenizer.json bytes differ, its token ids do not (it was refused as another tokenizer); on
+    # data prepared with the export's own tokenizer too, and on other data still refused
+    from training.data import check_same_tokenizer
+    from training.hf import load_initial_weights
+    path, init = load_initial_weights(tmp_path / "hf")
+    exported_sha = hashlib.sha256((tmp_path / "hf" / "tokenizer.json").read_bytes()).hexdigest()
+    for data_sha in (hashlib.sha256(spec.json_text.encode()).hexdigest(), exported_sha):
+        check_same_tokenizer(init, {"tokenizer_sha256": data_sha}, path, "data")
+    with pytest.raises(ConfigError, match="was trained on data of another tokenizer"):
+        check_same_tokenizer(init, json.loads((stdlib_data / "meta.json").read_text()), path, stdlib_data)
 
 
 def test_refusals_are_one_line_and_touch_nothing(tmp_path, stdlib_data, capsys, monkeypatch):

@@ -52,8 +52,9 @@ def check_same_tokenizer(ckpt: dict, meta: dict, path, data_dir) -> None:
     and the run would train on that, or resume as if nothing changed. Other changes to the data
     (more shards, another split) are ``data_change_warning``'s. Checkpoints that record no
     tokenizer (older ones) pass."""
-    saved, now = (ckpt.get("data") or {}).get("tokenizer_sha256"), meta.get("tokenizer_sha256")
-    if saved and now and saved != now:
+    data = ckpt.get("data") or {}
+    saved, now = data.get("tokenizer_sha256"), meta.get("tokenizer_sha256")
+    if saved and now and now not in (saved, data.get("tokenizer_sha256_same_ids")):
         raise ConfigError(f"{path} was trained on data of another tokenizer (tokenizer.json sha256 "
                           f"{saved[:12]}...) than data.dir={data_dir} holds ({now[:12]}...): its token ids "
                           "would mean other text; prepare the data with the run's tokenizer "

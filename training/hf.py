@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from pathlib import Path
 from typing import Callable
 
@@ -226,7 +227,16 @@ def tokenizer_record(hf_dir: Path) -> dict | None:
     f = Path(hf_dir) / "tokenizer.json"
     if not f.is_file():
         return None
-    return {"tokenizer_sha256": hashlib.sha256(f.read_bytes()).hexdigest()}
+    record = {"tokenizer_sha256": hashlib.sha256(f.read_bytes()).hexdigest()}
+    # An export whose tokenizer.json lost a template that adds special tokens (export_hf.py) names
+    # the file it encodes documents as: data prepared with either has the same token ids.
+    try:
+        same = json.loads((Path(hf_dir) / "tokenizer_config.json").read_text()).get("nash_mhc_same_ids_as_sha256")
+    except (OSError, ValueError, AttributeError):
+        same = None
+    if isinstance(same, str) and re.fullmatch(r"[0-9a-f]{64}", same):
+        record["tokenizer_sha256_same_ids"] = same
+    return record
 
 
 def load_initial_weights(path: str | Path, warn: Callable[[str], None] = print) -> tuple[Path, dict]:
