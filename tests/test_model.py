@@ -1278,3 +1278,168 @@ def test_cuda_compiled_regions_in_bf16_are_as_close_to_fp32_as_eager():
             resolved += 1
             assert dist(c, r) <= 4 * dist(e, r) + 2e-2, name
     assert resolved >= 0.8 * len(ref_grads)
+
+
+# === Mutation-kill tests: what the suite let through in the model's hot paths (each compares
+# with an independent statement of the maths: a float64 re-implementation from DESIGN.md and the
+# docstrings, nash_equilibrium, or exact values)
+
+# -- Sinkhorn-Knopp -----------------------------------------------------------------------------
+
+def _sinkhorn_reference(z: torch.Tensor, iters: int, eps: float = 1e-6) -> torch.Tensor:
+    """sinkhorn_knopp as its docstring and DESIGN.md 1.1 state it, float64, matrices [..., n, n]:
+    row softmax + eps, ``iters`` rounds of row then column normalisation each divided by (sum + eps),
+    the orthogonal projection onto {rows, columns sum to 1}, then the smallest mix with J/n that is
+    non-negative."""
+    n = z.shape[-1]
+    p = torch.softmax(z.double(), dim=-1) + eps
+    for _ in range(iters):
+        p = p / (p.sum(-1, keepdim=True) + eps)
+        p = p / (p.sum(-2, keepdim=True) + eps)
+    r, c = p.sum(-1, keepdim=True), p.sum(-2, keepdim=True)
+    S = r.sum(-2, keepdim=True)
+    p = p + (1.0 - r) / n + (1.0 - c) / n - (n - S) / n ** 2
+    m = p.amin(dim=(-1, -2), keepdim=True)
+    neg = (-m).clamp_min(0.0)
+    lam = neg / (neg + 1.0 / n)                      # smallest lam with (1-lam) p + lam/n >= 0
+    return (1 - lam) * p + lam / n
+
+
+@pytest.mark.parametrize("iters", [1, 2, 3])
+def test_sinkhorn_after_few_iterations_is_the_documented_algorithm(iters):
+    """A few iterations (the XLA test config uses 3; any sinkhorn_iters >= 1 is allowed) do not
+    reach the limit, so the start (row softmax + eps) and each division's +eps show: the fp32
+    result within 2e-6 of the float64 statement. Kills a column-softmax start (the same limit, so
+    the existing tests at 20 iterations cannot tell; other iterates: ~1e-2 apart here) and the
+    iterations' +eps dropped (at 1 iteration)."""
+    g = torch.Generator().manual_seed(iters)
+    z = torch.randn(64, 4, 4, generator=g) * 2.0
+    got = M.sinkhorn_knopp(z, iters)
+    ref = _sinkhorn_reference(z, iters)
+    assert (got.double() - ref).abs().max().item() <= 2e-6
+
+
+def test_sinkhorn_closing_step_for_saturated_logits_is_the_documented_projection_and_mix():
+    """Saturated logits (+-30: one-hot rows that share a column) after 1 iteration: the closing
+    projection and the non-negative mix do real work here."""
+    g = torch.Generator().manual_seed(0)
+    z = torch.where(torch.rand(128, 3, 3, generator=g) < 0.3, 30.0, -30.0)
+    got = M.sinkhorn_knopp(z, 1)
+    ref = _sinkhorn_reference(z, 1)
+    assert (got.double() - ref).abs().max().item() <= 1e-5
+
+
+def test_sinkhorn_iterations_divide_by_sum_plus_eps_exactly():
+    """_SinkhornIterations' forward against the plain loop in float64 with rtol=0 (the existing
+    test's allclose has the default rtol 1e-5, which hides a dropped eps: 6.7e-7 there)."""
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(5, 4, 4, generator=g, dtype=torch.float64)
+    eps = 1e-6
+    p = torch.softmax(z, dim=-1) + eps
+    ref = p.clone()
+    for _ in range(7):
+        ref = ref / (ref.sum(-1, keepdim=True) + eps)
+        ref = ref / (ref.sum(-2, keepdim=True) + eps)
+    got = M._SinkhornIterations.apply(p.permute(1, 2, 0).contiguous(), 7, eps).permute(2, 0, 1)
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-13)
+
+
+# -- init ----------------------------------------------------------------------------------------
+
+def test_an_untied_lm_head_starts_at_init_std_over_sqrt_2_layers():
+    """init_weights' docstring (GPT-2): wo, w2 *and an untied LM head* start at
+    init_std / sqrt(2 n_layers); 1000 x 128 weights estimate the std to ~0.3%."""
+    cfg = ModelConfig(vocab_size=1000, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=64,
+                      tie_embeddings=False, nash_scales=1, mhc_streams=1)
+    m = build(cfg)
+    want = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+    assert abs(m.lm_head.weight.std().item() / want - 1) < 0.03
+    assert abs(m.tok_emb.weight.std().item() / cfg.init_std - 1) < 0.03
+
+
+@pytest.mark.parametrize("tau", [0.5, 1.0, 3.0])
+def test_the_nash_temperature_starts_at_nash_tau(tau):
+    """nash_tau is the initial temperature ("learned, per head"), parametrised as log_tau: every
+    head starts at tau, and so does the reported metric."""
+    m = build(tiny(nash_tau=tau))
+    for block in m.blocks:
+        torch.testing.assert_close(block.attn.log_tau.exp(), torch.full((4,), tau), rtol=1e-6, atol=0)
+    out = m(torch.randint(0, 64, (1, 16), generator=torch.Generator().manual_seed(0)))
+    torch.testing.assert_close(out.metrics["nash_tau"], torch.tensor(tau), rtol=1e-6, atol=0)
+
+
+def test_the_stream_collapse_learns_from_the_first_step():
+    """DESIGN 1.1: every gate alpha starts at ~0.01, so the per-token collapse weights
+    sigmoid(alpha * phi(h) + b) depend on h from the start and phi gets a gradient at step 1 (a
+    gate at 0 leaves phi's gradient exactly 0)."""
+    m = build(tiny())
+    g = torch.Generator().manual_seed(0)
+    idx, tgt = torch.randint(0, 64, (2, 16), generator=g), torch.randint(0, 64, (2, 16), generator=g)
+    m(idx, tgt).loss.backward()
+    assert m.mhc_out.phi.weight.grad.abs().max() > 0
+    for mod in m.modules():
+        if isinstance(mod, (M.HyperConnection, M.StreamCollapse)):
+            assert torch.allclose(mod.alpha, torch.full_like(mod.alpha, M.MHC_GATE_INIT))
+
+
+# -- Nash metrics ----------------------------------------------------------------------------------
+
+def test_nash_entropy_is_the_entropy_of_the_fusion_weights():
+    """``nash_entropy`` is the (natural-log) entropy of the per-token weights, averaged over tokens,
+    heads and layers. With aggregation: mean the weights are uniform over the valid scales, so a
+    token with k valid scales has entropy ln k exactly (r = 2, L = 3: scale 1 valid from t = 1,
+    scale 2 from t = 3)."""
+    m = build(tiny(aggregation="mean"))
+    T = 16
+    out = m(torch.randint(0, 64, (2, T), generator=torch.Generator().manual_seed(0)))
+    t = torch.arange(T)
+    k = 1 + (t >= 1).double() + (t >= 3).double()
+    torch.testing.assert_close(out.metrics["nash_entropy"].double(), k.log().mean(), rtol=1e-6, atol=1e-7)
+    for l, first in enumerate([0, 1, 3]):
+        want = torch.where(t >= first, 1.0 / k, 0.0).mean()
+        torch.testing.assert_close(out.metrics[f"nash_w{l}"].double(), want, rtol=1e-6, atol=1e-7)
+
+
+def test_nash_entropy_of_the_game_matches_its_weights():
+    """The same for the Nash game: entropy of nash_equilibrium's weights on the same scale outputs."""
+    cfg = tiny()
+    attn = build(cfg).blocks[0].attn
+    with torch.no_grad():
+        attn.log_tau.copy_(torch.tensor([-1.0, -0.3, 0.0, 0.7]))
+    g = torch.Generator().manual_seed(0)
+    T = 12
+    outs = [torch.randn(2, cfg.n_heads, T, cfg.head_dim, generator=g) for _ in range(3)]
+    t = torch.arange(T)
+    valid = torch.stack([torch.ones(T, dtype=torch.bool), t >= 1, t >= 3], dim=-1)
+    start, hidden = M.nash_start(valid)
+    with torch.no_grad():
+        _, stats = attn.aggregate(outs, start, hidden)
+        w = M.nash_equilibrium(torch.stack(outs, dim=-2).double(), valid,
+                               attn.log_tau.double().exp().view(-1, 1, 1), cfg.nash_iters)
+    entropy = -(w * w.clamp_min(1e-300).log()).sum(-1).mean()
+    torch.testing.assert_close(stats[0].double(), entropy, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(stats[1:4].double(), w.mean(dim=(0, 1, 2)), rtol=1e-5, atol=1e-6)
+
+
+# -- FLOPs accounting ---------------------------------------------------------------------------
+
+def test_flops_are_counted_at_the_padded_length_the_model_runs():
+    """A sequence that is no multiple of the coarsest block is padded on the right (DESIGN 1.3) and
+    runs at the padded length: its FLOPs per token are the padded length's."""
+    for kw in (dict(), dict(nash_window=0), dict(nash_scales=4, nash_window=0)):
+        m = build(tiny(**kw))
+        cb = m.config.coarsest_block
+        for T in (45, 33, 9):
+            Tp = -(-T // cb) * cb
+            assert Tp != T
+            assert m.flops_per_token(T) == m.flops_per_token(Tp), (kw, T)
+
+
+def test_a_window_at_least_the_sequence_counts_as_full_attention():
+    """Scale 0 with a window W >= T attends to at most T keys: the same FLOPs as no window."""
+    for L in (1, 3):
+        full = build(tiny(nash_window=0, nash_scales=L))
+        for W in (48, 64):
+            windowed = build(tiny(nash_window=W, nash_scales=L))
+            assert windowed.flops_per_token(48) == full.flops_per_token(48), (L, W)
+            assert windowed.flops_breakdown(48)["attention"] == full.flops_breakdown(48)["attention"]

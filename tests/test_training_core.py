@@ -1,4 +1,5 @@
 """The shared training core, piece by piece: schedule, config, data order, optimisers, checkpoints."""
+import functools
 import json
 import math
 import os
@@ -6,6 +7,7 @@ import pickle
 import re
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -1539,3 +1541,77 @@ def test_a_split_without_shards_is_refused(tmp_path, stdlib_data):
     (tmp_path / "data" / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(ConfigError, match=r"meta.json: no 'val' shards$"):
         check_data(load_config(None, ["training.max_steps=1", f"data.dir={tmp_path / 'data'}"]))
+
+
+# === Mutation-kill tests: the progress line, metrics.jsonl's JSON, and a log line's throughput
+# and MFU (hand-computed numbers; the clock patched)
+
+# -- training/monitor.py ------------------------------------------------------------------------
+
+def test_progress_line_time_left_in_hours_minutes_seconds():
+    from training.monitor import progress_line
+    # 1000 steps left x 3.7 s = 3700 s = 1 h 1 min 40 s
+    line = progress_line(10, 1010, {"loss": 1.0, "lr": 1e-3, "step_time": 3.7})
+    assert line.endswith(" | 1:01:40 left"), line
+    # 90061 s = 25 h 1 min 1 s (hours are not wrapped at a day)
+    line = progress_line(0, 90061, {"loss": 1.0, "step_time": 1.0})
+    assert line.endswith(" | 25:01:01 left"), line
+    # past the end: nothing left, never negative
+    assert progress_line(12, 10, {"loss": 1.0, "step_time": 2.0}).endswith(" | 0:00:00 left")
+
+
+def _strict_json(line: str) -> dict:
+    def refuse(name):
+        raise ValueError(f"not JSON: {name}")
+    return json.loads(line, parse_constant=refuse)
+
+
+def test_metrics_jsonl_is_strict_json_with_non_finite_values_as_strings(tmp_path):
+    """metrics.jsonl must stay valid JSON for other readers (jq, JavaScript): NaN, Infinity and
+    -Infinity are not JSON. Non-finite floats are written as the strings "nan", "inf", "-inf";
+    finite values and non-floats unchanged."""
+    from training.config import load_config
+    from training.monitor import Monitor
+    cfg = load_config(None, ["training.max_steps=6", "logging.progress_bar=false", "logging.tensorboard=false"])
+    m = Monitor(cfg, tmp_path, True, 6, 0)
+    m.log(1, {"loss": float("nan"), "grad_norm": float("inf"), "x": float("-inf"), "lr": 1e-3, "n": 3})
+    m.close()
+    rec = _strict_json((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    assert (rec["loss"], rec["grad_norm"], rec["x"]) == ("nan", "inf", "-inf")
+    assert rec["lr"] == 1e-3 and rec["n"] == 3 and rec["step"] == 1
+
+
+# -- training/loop.py: throughput and MFU of a log line -----------------------------------------
+
+def _fake_trainer(monkeypatch, now, *, last_time, last_step, tokens_per_step, flops_per_token, peak, n_devices):
+    from training import loop
+    logged = []
+    fake = types.SimpleNamespace(
+        cfg=types.SimpleNamespace(training=types.SimpleNamespace(max_nonfinite_steps=3)),
+        state=loop.RunState(), last_log_time=last_time, last_log_step=last_step,
+        tokens_per_step=tokens_per_step, flops_per_token=flops_per_token, peak=peak,
+        backend=types.SimpleNamespace(n_devices=n_devices, log_extras=lambda: {}),
+        monitor=types.SimpleNamespace(log=lambda step, rec: logged.append((step, rec))),
+        log_line=lambda msg: None, skipped_logged=0, stop_nonfinite=False,
+        start_tokens=0, start_step=0)
+    fake._count_skipped = functools.partial(loop.Trainer._count_skipped, fake)
+    fake.tokens_at = functools.partial(loop.Trainer.tokens_at, fake)
+    monkeypatch.setattr(loop.time, "time", lambda: now)
+    return fake, logged
+
+
+def test_a_log_line_reports_training_throughput_step_time_and_mfu(monkeypatch):
+    """Between two log lines 5 steps ran in 100 s of which 20 s were evaluation/saving (paused):
+    80 s of training, 16 s a step, 5 x 4096 / 80 = 256 tokens/s; MFU = 256 x 1e9 FLOPs/token over
+    4 devices of 1e12 FLOP/s = 6.4%."""
+    from training import loop
+    fake, logged = _fake_trainer(monkeypatch, 1100.0, last_time=1000.0, last_step=10, tokens_per_step=4096,
+                                 flops_per_token=1e9, peak=1e12, n_devices=4)
+    loop.Trainer.log(fake, [2.5, 0.7, 0.0, 0.0], ["loss", "grad_norm", "_skipped", "_worst_streak"],
+                     step=15, lr=1e-3, paused_s=20.0)
+    (step, rec), = logged
+    assert step == 15 and rec["tokens_seen"] == 15 * 4096
+    assert rec["step_time"] == pytest.approx(16.0)
+    assert rec["tokens_per_sec"] == pytest.approx(256.0)
+    assert rec["mfu"] == pytest.approx(256.0 * 1e9 / (4 * 1e12))
+    assert (fake.last_log_time, fake.last_log_step) == (1100.0, 15)
