@@ -496,7 +496,7 @@ def local_attention(q, k, v, window: int, bias=None):
     return out[:, :, :T] if pad else out
 
 
-def attention_masks(cfg: ModelConfig, T: int, device=None) -> dict[str, torch.Tensor]:
+def attention_masks(cfg: ModelConfig, T: int, device=None, real: int | None = None) -> dict[str, torch.Tensor]:
     """What NashAttention needs at length T besides its input, the same in every layer: built once
     per forward (``NashMHC.trunk``) and handed to every block, so a traced graph holds it once,
     not once per layer. Additive masks are fp32, 0 where a key is visible and -inf where hidden.
@@ -509,6 +509,8 @@ def attention_masks(cfg: ModelConfig, T: int, device=None) -> dict[str, torch.Te
         never a fully hidden row, so its output is finite on every backend, and the aggregation
         gives it weight exactly 0 (0 x finite = 0: nothing of it reaches the result or flows back).
     ``start``, ``hidden`` (L > 1): ``nash_start`` of the scales' validity ``[T, L]``.
+    ``token_weight`` (only when ``real`` < T: the input was padded on the right to T): ``[T]``,
+        1 / real on the real tokens and 0 on the padding, for the blocks' stats.
     """
     W, t = cfg.nash_window, torch.arange(T, device=device)
     masks = {}
@@ -528,6 +530,8 @@ def attention_masks(cfg: ModelConfig, T: int, device=None) -> dict[str, torch.Te
             visible = ((j[None, :] + 1) * b - 1 <= t[:, None]) | ((j[None, :] == 0) & ~valid[-1][:, None])
             masks[f"scale{l}"] = _bias(visible)
         masks["start"], masks["hidden"] = nash_start(torch.stack(valid, dim=-1))
+    if real is not None and real < T:
+        masks["token_weight"] = (t < real).float() / real
     return masks
 
 
@@ -594,12 +598,13 @@ class NashAttention(nn.Module):
         else:
             for l in range(1, self.scales):
                 outs.append(attend(q, self.pool(k, l), self.pool(v, l), masks[f"scale{l}"]))
-            o, stats = self.aggregate(outs, masks["start"], masks["hidden"])
+            o, stats = self.aggregate(outs, masks["start"], masks["hidden"], masks.get("token_weight"))
         return self.wo(o.transpose(1, 2).reshape(B, T, H * D)), stats
 
-    def aggregate(self, outs, start, hidden):
-        """Fuse the scale outputs ``[B, H, T, D]`` into one, with stats; ``start``, ``hidden``
-        ``[T, L]``: ``nash_start`` of the scales' validity.
+    def aggregate(self, outs, start, hidden, token_weight=None):
+        """Fuse the scale outputs ``[B, H, T, D]`` into one, with stats (over the real tokens:
+        ``attention_masks``' ``token_weight``); ``start``, ``hidden`` ``[T, L]``: ``nash_start``
+        of the scales' validity.
         The game runs in fp32 under autocast too: its weights at a small temperature move by
         several hundredths when the Gram products are rounded to bf16."""
         with torch.autocast(device_type=outs[0].device.type, enabled=False):
@@ -626,7 +631,12 @@ class NashAttention(nn.Module):
             with torch.no_grad():
                 # one mean over the tokens and heads of [entropy, w_0, ..., w_{L-1}]
                 entropy = -(w * w.clamp_min(1e-30).log()).sum(dim=-1, keepdim=True)
-                stats = torch.cat([entropy, w], dim=-1).reshape(-1, self.scales + 1).mean(dim=0)
+                per = torch.cat([entropy, w], dim=-1)                              # [..., T, L + 1]
+                if token_weight is None:
+                    stats = per.reshape(-1, self.scales + 1).mean(dim=0)
+                else:  # padded on the right: the real tokens' mean
+                    T = token_weight.shape[0]
+                    stats = (per.reshape(-1, T, self.scales + 1).mean(dim=0) * token_weight[:, None]).sum(dim=0)
                 if self.log_tau is not None:  # read here, where FSDP2 has the parameter gathered
                     stats = torch.cat([stats, self.log_tau.float().exp().mean().view(1)])
             return o, stats
@@ -905,11 +915,15 @@ class StreamCollapse(nn.Module):
             return stream_read(w, h).to(self.phi.weight.dtype)   # as in HyperConnection.read
 
 
-def _mean_diagonal(m):
-    """The mean diagonal entry of the matrices ``m [..., n, n]``: every (n+1)-th entry of the
-    flattened matrices (a strided slice; ``diagonal()`` costs XLA twice the graph)."""
+def _mean_diagonal(m, token_weight=None):
+    """The mean diagonal entry of the matrices ``m [..., T, n, n]``: every (n+1)-th entry of the
+    flattened matrices (a strided slice; ``diagonal()`` costs XLA twice the graph); with
+    ``token_weight [T]`` (``attention_masks``), over the real tokens only."""
     n = m.shape[-1]
-    return m.flatten(-2)[..., :: n + 1].mean()
+    d = m.flatten(-2)[..., :: n + 1]
+    if token_weight is None:
+        return d.mean()
+    return (d.mean(dim=-1).reshape(-1, token_weight.shape[0]).mean(dim=0) * token_weight).sum()
 
 
 class Block(nn.Module):
@@ -943,10 +957,11 @@ class Block(nn.Module):
         x, coef = self.hc_attn.read(h)
         a, stats = self.attn(self.attn_norm(x), cos, sin, masks)
         h = self.hc_attn.write(h, self.drop(a), coef)
-        res_diag = _mean_diagonal(coef[1].detach())
+        weight = masks.get("token_weight") if masks is not None else None
+        res_diag = _mean_diagonal(coef[1].detach(), weight)
         x, coef = self.hc_ffn.read(h)
         h = self.hc_ffn.write(h, self.drop(self.ffn(self.ffn_norm(x))), coef)
-        res_diag = (res_diag + _mean_diagonal(coef[1].detach())) / 2
+        res_diag = (res_diag + _mean_diagonal(coef[1].detach(), weight)) / 2
         gate = torch.cat([self.hc_attn.alpha, self.hc_ffn.alpha]).detach().float().abs().mean()
         return h, torch.cat([stats, res_diag.view(1), gate.view(1)])
 
@@ -1045,7 +1060,7 @@ class NashMHC(nn.Module):
         if Tp != T:  # right padding cannot change earlier outputs of a causal model
             idx = F.pad(idx, (0, Tp - T))
         cos, sin = self.rope_cos[:Tp], self.rope_sin[:Tp]
-        masks = attention_masks(cfg, Tp, idx.device)  # once for all the blocks
+        masks = attention_masks(cfg, Tp, idx.device, real=T)  # once for all the blocks
         h = self.drop(self.tok_emb(idx))
         if cfg.mhc_streams > 1:
             h = h.unsqueeze(2).expand(B, Tp, cfg.mhc_streams, cfg.d_model)

@@ -1443,3 +1443,28 @@ def test_a_window_at_least_the_sequence_counts_as_full_attention():
             windowed = build(tiny(nash_window=W, nash_scales=L))
             assert windowed.flops_per_token(48) == full.flops_per_token(48), (L, W)
             assert windowed.flops_breakdown(48)["attention"] == full.flops_breakdown(48)["attention"]
+
+
+@pytest.mark.parametrize("T", [16, 17, 30])
+def test_block_stats_average_the_real_tokens_not_the_padding(T, monkeypatch):
+    """A length that is no multiple of the coarsest block is padded on the right inside the model;
+    the logged stats are the real tokens' (they averaged the padding in: nash_entropy 0.84 for
+    0.62 at T = 17). Mean aggregation gives each token ln(valid scales) exactly, and mhc_res_diag
+    is the mean diagonal of the H_res the blocks computed for the real tokens."""
+    m = build(tiny(aggregation="mean"))
+    seen = []
+    read = M.HyperConnection.read
+
+    def recording(self, h):
+        x, coef = read(self, h)
+        seen.append(coef[1].detach())
+        return x, coef
+    monkeypatch.setattr(M.HyperConnection, "read", recording)
+    with torch.no_grad():
+        out = m(torch.randint(0, 64, (2, T), generator=torch.Generator().manual_seed(0)))
+    assert m.config.coarsest_block == 4 and (T % 4 != 0) == (T != 16)
+    t = torch.arange(T)
+    k = 1 + (t >= 1).double() + (t >= 3).double()
+    torch.testing.assert_close(out.metrics["nash_entropy"].double(), k.log().mean(), rtol=1e-6, atol=1e-7)
+    diag = torch.stack([c[:, :T].diagonal(dim1=-2, dim2=-1).mean() for c in seen]).mean()
+    torch.testing.assert_close(out.metrics["mhc_res_diag"], diag, rtol=1e-5, atol=1e-6)
