@@ -46,9 +46,9 @@ from prepare_data import TOKENIZER_FILES, DataError, TokenizerSpec, install
 from training.checkpoint import FORMAT_VERSION, CheckpointError, atomic_torch_save
 from training.config import Config, ConfigError
 from training.data import tokenizer_difference, unverified_tokenizer_warning
-from training.hf import (from_llama_state_dict, llama_incompatibility, load_llama, load_training_checkpoint,
-                         max_logit_difference, model_from_checkpoint, model_holding, probe_tokens, to_llama_config,
-                         to_llama_state_dict, tokenizer_record)
+from training.hf import (SAME_IDS_AS, from_llama_state_dict, llama_incompatibility, load_llama,
+                         load_training_checkpoint, max_logit_difference, model_from_checkpoint, model_holding,
+                         probe_tokens, to_llama_config, to_llama_state_dict, tokenizer_record)
 from training.monitor import log_dir_owner
 
 # transformers takes seconds to import: it is imported where it is used, after the input is checked
@@ -68,9 +68,6 @@ class ExportError(Exception):
 
 # tokenizers' post-processors that add special tokens around every encoding (a BOS, a CLS)
 ADDING_POST_PROCESSORS = ("TemplateProcessing", "BertProcessing", "RobertaProcessing")
-
-
-SAME_IDS_AS = "nash_mhc_same_ids_as_sha256"  # tokenizer_config.json: see training.hf.tokenizer_record
 
 
 def _without_added_tokens(post):

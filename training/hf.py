@@ -219,6 +219,11 @@ def model_holding(cfg: ModelConfig, sd: dict, strict: bool = True):
     return model, result
 
 
+# tokenizer_config.json of an export whose tokenizer.json lost a template that adds special tokens:
+# the sha256 of the tokenizer.json it encodes documents as (export_hf.export_tokenizer_files)
+SAME_IDS_AS = "nash_mhc_same_ids_as_sha256"
+
+
 def tokenizer_record(hf_dir: Path) -> dict | None:
     """What a checkpoint records of its data's tokenizer (``data.tokenizer_sha256``, the sha256 of
     tokenizer.json's bytes, as prepare_data.py's meta.json has it), for the weights of a Hugging
@@ -231,7 +236,7 @@ def tokenizer_record(hf_dir: Path) -> dict | None:
     # An export whose tokenizer.json lost a template that adds special tokens (export_hf.py) names
     # the file it encodes documents as: data prepared with either has the same token ids.
     try:
-        same = json.loads((Path(hf_dir) / "tokenizer_config.json").read_text()).get("nash_mhc_same_ids_as_sha256")
+        same = json.loads((Path(hf_dir) / "tokenizer_config.json").read_text()).get(SAME_IDS_AS)
     except (OSError, ValueError, AttributeError):
         same = None
     if isinstance(same, str) and re.fullmatch(r"[0-9a-f]{64}", same):
