@@ -973,22 +973,17 @@ def _sample(docs: Iterator[tuple[str, bytes] | tuple[LargeText, None]], limit: i
     long documents in pieces (the trainer counts pre-tokens, which pieces keep); counts them in
     stats."""
     for text, data in docs:
-        if isinstance(text, LargeText):
-            last = text.size >= limit - stats["sample_bytes"]
-            end = text.boundary(limit - stats["sample_bytes"]) if last else text.size
-            stats["sample_documents"] += 1
-            stats["sample_bytes"] += end
-            yield from text.texts(0, end, PIECE_CHARS)
-            if last:
-                return
-            continue
-        last = len(data) >= limit - stats["sample_bytes"]
-        if last:
-            text = data[:limit - stats["sample_bytes"]].decode("utf-8", errors="ignore")  # drops a character cut in two
-            data = text.encode()
+        large = isinstance(text, LargeText)
+        size, left = (text.size if large else len(data)), limit - stats["sample_bytes"]
+        last = size >= left
+        # cut short: at the start of the character the limit falls in (no character cut in two)
+        end = size if not last or left >= size else text.boundary(left) if large else char_start(data, left)
         stats["sample_documents"] += 1
-        stats["sample_bytes"] += len(data)
-        yield from text_pieces(text)
+        stats["sample_bytes"] += end
+        if large:
+            yield from text.texts(0, end, PIECE_CHARS)
+        else:
+            yield from text_pieces(text if end == size else data[:end].decode())
         if last:
             return
 
