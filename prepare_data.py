@@ -1130,15 +1130,16 @@ def encode_corpus(corpus: Corpus, spec: TokenizerSpec, dtype, folder: Path,
         ndocs = {"train": 0, "val": 0}
         done = 0
         for (data, part_of, ends), ids in zip(rest, encoded):
-            if ends:
+            # a large document's train part follows its val part: --max-tokens keeps them together
+            stop = (args.max_tokens is not None and part_of != "val"
+                    and total_tokens + len(ids) + 1 >= args.max_tokens)
+            whole = ends or stop  # a document counts once: at its end, or where the run stops
+            if whole:  # where the run stops inside a document, its last part ends as a document does
                 if isinstance(ids, np.ndarray):
                     ids = np.append(ids, np.uint32(eos))
                 else:
                     ids.append(eos)
             total_tokens += len(ids)
-            # a large document's train part follows its val part: --max-tokens keeps them together
-            stop = args.max_tokens is not None and total_tokens >= args.max_tokens and part_of != "val"
-            whole = ends or stop  # a document counts once: at its end, or where the run stops
             done += whole
             if part_of is not None:  # a part of a large document: its split is fixed, never held back
                 split, out = part_of, [ids]

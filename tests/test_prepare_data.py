@@ -496,7 +496,7 @@ def test_a_large_file_that_is_not_utf8_is_skipped_as_a_small_one_is(tmp_path, mo
 def test_max_tokens_stops_a_large_file_within_a_block(tmp_path, monkeypatch):
     """--max-tokens stops inside a file read in blocks, within a block of the limit (read whole,
     the file was encoded to its end whatever the limit); the part it stops in counts as a
-    document."""
+    document and ends as one, with end-of-text."""
     text = "".join(f"line {i}: " + "word " * (i % 13) + "\n" for i in range(3000))  # ~100 KB
     outs, rcs = _blocks_and_whole(tmp_path, monkeypatch, {"big.txt": text}, "--vocab-size", 300,
                                   "--val-fraction", 0.01, "--max-tokens", 5000)
@@ -506,6 +506,8 @@ def test_max_tokens_stops_a_large_file_within_a_block(tmp_path, monkeypatch):
     assert {s: blocks[s]["documents"] for s in blocks} == {"train": 1, "val": 1}
     assert blocks["val"] == whole["val"]
     assert 5000 <= blocks["train"]["tokens"] + blocks["val"]["tokens"] < 5000 + 2 * 1000
+    train = documents(outs["blocks"], "train")  # asserts the stream ends with end-of-text
+    assert len(train) == 1 and text.startswith(train[0]) and len(train[0]) > 1000
 
 
 # --- inputs ----------------------------------------------------------------------------------------
