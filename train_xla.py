@@ -60,6 +60,40 @@ def _default_pjrt_device() -> None:
               file=sys.stderr)
 
 
+# The PJRT_DEVICE values torch_xla 2.9 has a client for without a plugin (its C++ registry), and
+# what each needs installed; other names are those of installed plugin packages (the
+# ``torch_xla.plugins`` entry points, which torch_xla registers under their upper-case names).
+_BUILT_IN_DEVICES = {"CPU": None, "TPU": "libtpu (pip install torch_xla[tpu])", "NEURON": "libneuronxla"}
+
+
+def _check_pjrt_device(cfg) -> None:
+    """A ``ConfigError`` naming ``PJRT_DEVICE`` when torch_xla cannot run on it here: a name it has
+    no client for (``cpu``: torch_xla reads the name as given), TPU without the TPU runtime, or
+    in ddp mode a machine whose PCI bus has no TPU chip (torch_xla's own count, which xmp.spawn
+    makes a process per). Otherwise these fail inside torch_xla, as a traceback or as a bare
+    ``KeyError: 'cpu'`` or ``max_workers must be greater than 0`` from the spawn."""
+    from importlib.metadata import entry_points
+    from training.config import ConfigError
+
+    value = os.environ["PJRT_DEVICE"]
+    kind = value.split("_")[0]  # as torch_xla.runtime.device_type() reads it (TPU_C_API: TPU)
+    known = set(_BUILT_IN_DEVICES) | {ep.name.upper() for ep in entry_points(group="torch_xla.plugins")}
+    if kind not in known:
+        hint = f"; did you mean {kind.upper()}?" if kind.upper() in known else ""
+        raise ConfigError(f"PJRT_DEVICE={value}: torch_xla has no device of that name (here: "
+                          f"{', '.join(sorted(known))}){hint}")
+    need = _BUILT_IN_DEVICES.get(kind)
+    found = {"TPU": _libtpu_found, "NEURON": lambda: importlib.util.find_spec("libneuronxla") is not None}
+    if need and not found[kind]():
+        raise ConfigError(f"PJRT_DEVICE={value}, but {need} is not installed here; on a machine without "
+                          "that device use PJRT_DEVICE=CPU (or unset it: train_xla.py finds the device)")
+    if kind == "TPU" and _spawns(cfg):
+        from torch_xla._internal import tpu
+        if tpu.num_available_chips() == 0:
+            raise ConfigError(f"PJRT_DEVICE={value}, but this machine has no TPU chip (torch_xla finds none "
+                              "on its PCI bus); on a machine without a TPU use PJRT_DEVICE=CPU")
+
+
 def _worker(index: int, cfg) -> None:
     """One replica (xmp.spawn calls this in each process) or the single SPMD process."""
     from training.config import ConfigError
@@ -185,6 +219,7 @@ def _several_hosts(cfg) -> bool:
 
 def run(cfg) -> int:
     _default_pjrt_device()
+    _check_pjrt_device(cfg)
     for line in xla_ignores(cfg):
         print(f"train_xla.py: warning: {line}", file=sys.stderr)
     if _spawns(cfg):  # once, here, not in every spawned worker (main says a ConfigError); a worker
@@ -214,9 +249,12 @@ def run(cfg) -> int:
                 return code if code > 0 else 1
             except TrainingExit:
                 raise
-            except Exception as e:  # from xmp.spawn's own code around the workers, pickled back
-                print(f"train_xla.py: error: a worker process failed ({type(e).__name__}: {first_line(e)}; "
-                      "its traceback is above)", file=sys.stderr)
+            except Exception as e:  # from xmp.spawn's own code around the workers (a worker's
+                # _worker never raises): in this process, or in a worker before _worker ran, whose
+                # traceback comes back as the exception's cause
+                traceback.print_exception(e)
+                print(f"train_xla.py: error: torch_xla could not start the worker processes "
+                      f"({type(e).__name__}: {first_line(e)})", file=sys.stderr)
                 return 1
             finally:
                 watch.stop()

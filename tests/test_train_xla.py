@@ -481,6 +481,51 @@ print("REPORT " + json.dumps(out))
 """
 
 
+PJRT_DEVICES = r"""
+import json, os
+from types import SimpleNamespace
+from torch_xla._internal import tpu
+import train_xla
+from training.config import ConfigError
+
+out = {}
+for value, libtpu, chips, mode in (("CPU", False, 0, "ddp"), ("cpu", False, 0, "ddp"), ("GPU", False, 0, "ddp"),
+                                   ("TPU", False, 4, "ddp"), ("TPU", True, 0, "ddp"), ("TPU", True, 0, "spmd"),
+                                   ("TPU", True, 4, "ddp"), ("TPU_C_API", True, 4, "ddp")):
+    os.environ["PJRT_DEVICE"] = value
+    train_xla._libtpu_found = lambda: libtpu
+    tpu.num_available_chips = lambda: chips   # torch_xla's count of TPU chips on the PCI bus
+    cfg = SimpleNamespace(xla=SimpleNamespace(mode=mode, nprocs=None))
+    try:
+        train_xla._check_pjrt_device(cfg)
+        out[f"{value} {libtpu} {chips} {mode}"] = None
+    except ConfigError as e:
+        out[f"{value} {libtpu} {chips} {mode}"] = str(e)
+print("REPORT " + json.dumps(out))
+"""
+
+
+def test_a_pjrt_device_torch_xla_cannot_run_is_one_line_naming_it(tmp_path, stdlib_data):
+    """PJRT_DEVICE=cpu was a worker's bare ``KeyError: 'cpu'`` said to have a traceback above it
+    (none was), TPU without libtpu a traceback, TPU without a chip ``max_workers must be greater
+    than 0``: each is now one line naming PJRT_DEVICE, before anything starts. xmp.spawn counts
+    the chips (a process each), so only ddp mode needs one found on the PCI bus."""
+    out = script_report(PJRT_DEVICES, env=ENV)
+    no_libtpu = ("PJRT_DEVICE=TPU, but libtpu (pip install torch_xla[tpu]) is not installed here; on a machine "
+                 "without that device use PJRT_DEVICE=CPU (or unset it: train_xla.py finds the device)")
+    assert out.pop("cpu False 0 ddp").endswith("; did you mean CPU?")
+    assert out.pop("GPU False 0 ddp").startswith("PJRT_DEVICE=GPU: torch_xla has no device of that name (here: CPU, ")
+    assert out == {"CPU False 0 ddp": None, "TPU False 4 ddp": no_libtpu,
+                   "TPU True 0 ddp": "PJRT_DEVICE=TPU, but this machine has no TPU chip (torch_xla finds none on "
+                                     "its PCI bus); on a machine without a TPU use PJRT_DEVICE=CPU",
+                   "TPU True 0 spmd": None, "TPU True 4 ddp": None, "TPU_C_API True 4 ddp": None}
+    r = run(["train_xla.py", str(tiny_config(tmp_path, stdlib_data))], env={**ENV, "PJRT_DEVICE": "cpu"})
+    assert r.returncode == 2 and r.stderr.splitlines() == [
+        "train_xla.py: error: PJRT_DEVICE=cpu: torch_xla has no device of that name (here: "
+        + r.stderr.split("(here: ")[1].split(")")[0] + "); did you mean CPU?"], r.stderr[-3000:]
+    assert not (tmp_path / "run").exists()
+
+
 MASTER_ADDRESS = r"""
 import json
 import torch_xla.runtime as xr
