@@ -138,6 +138,8 @@ def main(argv=None) -> int:
     out = model.generate(idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None,
                          vocab_limit=spec.vocab_size, stop_id=stop,
                          generator=torch.Generator(device=idx.device).manual_seed(args.seed))
+    if sys.stdout.errors == "strict":  # a console that cannot show a character (an ASCII one, a cp1252
+        sys.stdout.reconfigure(errors="backslashreplace")  # redirect) writes its escape, not a traceback
     try:
         for i, row in enumerate(out.tolist()):
             new_ids = row[len(start):]

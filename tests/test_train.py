@@ -42,6 +42,10 @@ def test_trains_logs_and_checkpoints(tmp_path, stdlib_data):
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.count("----- sample") == 2 and r.stdout.count("def ") >= 2
     assert "ckpt_00000020.pt" in r.stderr
+    # a console that cannot show a character gets its escape, not a traceback
+    r = run(["sample.py", str(tmp_path / "run"), "--prompt", "# é", "--max-new-tokens", "2", "--num-samples", "1"],
+            env={**ENV, "PYTHONIOENCODING": "ascii"})
+    assert r.returncode == 0 and "\n# \\xe9" in r.stdout, r.stderr[-2000:]
     r = run(["sample.py", str(tmp_path / "nothing-here")])
     assert r.returncode == 2 and "Traceback" not in r.stderr and "nothing-here" in r.stderr
     # temperature 0 is greedy: every sample is the same continuation
