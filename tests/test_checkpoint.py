@@ -209,6 +209,35 @@ def test_uncommitted_and_corrupt_checkpoints_fall_back(tmp_path):
         load_checkpoint(checkpoint_path(tmp_path, 30, True))
 
 
+def test_a_file_that_is_no_checkpoint_is_named_for_what_it_is(tmp_path):
+    """torch.load's messages for what is not its zip format were its own (an HF export's weights:
+    "mmap can only be used with files saved with ..._use_new_zipfile_serialization=True"), and a
+    model directory was "no checkpoint in this run directory": each is now said for what it is."""
+    from safetensors.torch import save_file
+    from training.checkpoint import resolve_checkpoint
+
+    model, opt, backend, ck = _setup(False, run_dir=tmp_path / "run")
+    good = ck.save(_meta(1), model, opt, "test")
+    files = {"empty.pt": b"", "text.pt": b"step: 1\n", "truncated.pt": good.read_bytes()[:2000]}
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+    save_file({"w": torch.zeros(2)}, tmp_path / "model.safetensors")
+    said = {}
+    for name in [*files, "model.safetensors"]:
+        with pytest.raises(CheckpointError) as e:
+            load_checkpoint(tmp_path / name)
+        said[name] = str(e.value).removeprefix(f"{tmp_path / name}: not a loadable checkpoint (")
+    assert said["empty.pt"] == "the file is empty)"
+    assert said["text.pt"] == "its bytes are not torch.save's zip format)"
+    assert said["truncated.pt"].startswith("a truncated or corrupt torch.save file: ")
+    assert said["model.safetensors"].startswith("a safetensors file, weights alone: a Hugging Face export's")
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    with pytest.raises(CheckpointError, match=r"hf: a Hugging Face model directory \(config.json\), not a checkpoint"):
+        resolve_checkpoint(hf)
+
+
 class Evil:
     def __init__(self, marker):
         self.marker = marker

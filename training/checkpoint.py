@@ -283,6 +283,28 @@ def _dcp_meta(ckpt_dir: Path) -> dict:
     return meta
 
 
+HF_DIRECTORY = ("a Hugging Face model directory (config.json), not a checkpoint: load it with transformers, "
+                "or make a checkpoint of it with export_hf.py --import")
+
+
+def _file_kind(path: Path, e: Exception) -> str:
+    """What a file torch.load cannot read is, from its first bytes: torch's own message for a
+    zip (torch.save's format), which names what is wrong inside; else what the bytes say."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(9)
+    except OSError:
+        return first_line(e)
+    if not head:
+        return "the file is empty"
+    if head[:4] == b"PK\x03\x04":
+        return f"a truncated or corrupt torch.save file: {first_line(e)}"
+    if len(head) == 9 and head[8:9] == b"{":  # an 8-byte header length, then the JSON header
+        return ("a safetensors file, weights alone: a Hugging Face export's directory is loaded with "
+                "transformers, or made a checkpoint with export_hf.py --import")
+    return "its bytes are not torch.save's zip format"
+
+
 def _load_file(path: Path, with_optimizer: bool = True) -> dict:
     # mmap: the tensors are read from the page cache as they are used, so the processes of a host
     # that resume from one file (every DDP rank) share one copy of it instead of holding one each
@@ -299,7 +321,7 @@ def _load_file(path: Path, with_optimizer: bool = True) -> dict:
         raise CheckpointError(f"{path}: not a loadable checkpoint (refused: {what[0][:160]}; nothing we "
                               "load runs pickled code)") from None
     except Exception as e:  # truncated zip, garbage
-        raise CheckpointError(f"{path}: not a loadable checkpoint ({first_line(e)})") from None
+        raise CheckpointError(f"{path}: not a loadable checkpoint ({_file_kind(path, e)})") from None
     if not isinstance(ckpt, dict) or "model" not in ckpt or "format_version" not in ckpt:
         raise CheckpointError(f"{path}: not a Nash-MHC checkpoint (missing model/format_version)")
     if type(ckpt["format_version"]) is not int:
@@ -424,6 +446,8 @@ def resolve_checkpoint(path: str | Path, warn: Callable[[str], None] = print,
     if p.is_dir() and not is_dcp_dir(p):
         found = find_resume(p, warn, with_optimizer)
         if found is None:
+            if (p / "config.json").is_file() and not list_checkpoints(p):
+                raise CheckpointError(f"{p}: {HF_DIRECTORY}")
             raise CheckpointError(f"{p}: no checkpoint in this run directory (no committed ckpt_*), "
                                   "and not a checkpoint directory itself")
         return found
