@@ -355,8 +355,18 @@ for over in ({{}}, {{"tie_embeddings": False, "mhc_lite": False}}):
         assert torch.equal(whole[k], v), (rank, k)
     assert (model.lm_head.weight is model.tok_emb.weight) == cfg.tie_embeddings
     idx = torch.randint(0, 96, (2, 64), generator=torch.Generator().manual_seed(7))
+    gathers, all_gather = [], dist.all_gather_into_tensor  # FSDP2's, called through the module
+    dist.all_gather_into_tensor = lambda *a, **k: gathers.append(1) or all_gather(*a, **k)
     got, want = model(idx, idx).loss, ref(idx, idx).loss  # the derived buffers (RoPE, mHC's) too
     assert torch.allclose(got, want, rtol=1e-5, atol=0), (rank, got, want)
+    got.backward()
+    dist.all_gather_into_tensor = all_gather
+    # each block and the root gathered for the forward, the blocks but the last again for the
+    # backward (the root and the last block keep theirs from the forward to the backward)
+    assert len(gathers) == 2 * cfg.n_layers, (rank, len(gathers))
+    want.backward()  # the same batch on both ranks: their mean gradient is one process's
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.allclose(p.grad.full_tensor(), q.grad, rtol=1e-4, atol=1e-7), (rank, name)
 open(f"{{sys.argv[1]}}/ok{{rank}}", "w").close()
 dist.destroy_process_group()
 """
@@ -367,7 +377,10 @@ def test_fsdp2_ranks_past_0_build_no_weights_and_receive_their_shards(tmp_path):
     """Under FSDP2 rank 0 alone builds the model in host memory; the other ranks build it on the
     meta device, and after prepare_model every rank holds only its shards, which together are
     exactly one process's initial weights (tied and untied heads, mHC-lite and Sinkhorn), with
-    the derived buffers made (the loss matches). Every rank used to build the whole fp32 model."""
+    the derived buffers made (the loss and the gradients match). Every rank used to build the
+    whole fp32 model. A step gathers each block's weights twice but the last block's once (it
+    keeps them from its forward to its backward, as torchtitan does): 2 x n_layers all-gathers,
+    2 x n_layers + 1 before."""
     run_on_two_processes(FSDP2_BUILD, tmp_path)
 
 
