@@ -17,9 +17,11 @@ import pytest
 import torch
 
 from helpers import ENV, ROOT, losses, run, tiny_config
-from training.checkpoint import (MARKER, Checkpointer, CheckpointError, atomic_torch_save, checkpoint_digest,
-                                 checkpoint_path, find_latest, list_checkpoints, load_checkpoint,
-                                 optimizer_state_by_name, peek_checkpoint, read_dcp_metadata, rng_state)
+import training.checkpoint as checkpoint_module
+from training.checkpoint import (FORMAT_VERSION, MARKER, Checkpointer, CheckpointError, atomic_torch_save,
+                                 checkpoint_digest, checkpoint_path, find_latest, find_resume, list_checkpoints,
+                                 load_checkpoint, optimizer_state_by_name, peek_checkpoint, read_dcp_metadata,
+                                 release_run_lock, resolve_checkpoint, rotate, rng_state)
 
 
 # -- a tiny model and optimiser, saved through the real backend ----------------------------------
@@ -214,7 +216,6 @@ def test_a_file_that_is_no_checkpoint_is_named_for_what_it_is(tmp_path):
     "mmap can only be used with files saved with ..._use_new_zipfile_serialization=True"), and a
     model directory was "no checkpoint in this run directory": each is now said for what it is."""
     from safetensors.torch import save_file
-    from training.checkpoint import resolve_checkpoint
 
     model, opt, backend, ck = _setup(False, run_dir=tmp_path / "run")
     good = ck.save(_meta(1), model, opt, "test")
@@ -570,7 +571,6 @@ def test_the_run_lock_dies_with_the_master_not_with_its_forked_workers(tmp_path)
     file's, which they share), a SIGKILLed master's workers held it on for seconds and an
     immediate restart was refused; the lock is now the master process's own."""
     from training.backend import TorchBackend
-    from training.checkpoint import release_run_lock
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -604,7 +604,7 @@ def test_a_probe_left_by_a_killed_run_is_removed_under_the_lock(tmp_path):
     """Start-up probes of a run killed during its start are cleaned up, once the run directory's
     lock is held: before it, a second launch could delete a live run's probe (its other
     processes then refused the directory as not shared). Refused, a launch removes nothing."""
-    from training.checkpoint import release_run_lock
+
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / ".shared-probe-0123abcd").write_text("{}")
@@ -880,3 +880,182 @@ def test_a_failed_dcp_save_is_said_by_its_first_failing_process(tmp_path):
     e = CheckpointException("ranks", {3: (OSError(28, "No space left on device"), None),
                                       1: (OSError(5, "Input/output error"), None)})
     assert ck._why(e).startswith("process 1: [Errno 5] Input/output error; ")
+
+
+# -- what mutation testing of checkpoint.py found unpinned ---------------------------------------
+
+
+def _ckpt(step):
+    return {"format_version": FORMAT_VERSION, "model": {"w": torch.full((2,), float(step))}, "step": step}
+
+
+def test_steps_past_eight_digits_are_ordered_by_number_not_by_name(tmp_path):
+    """ckpt_100000000.pt (9 digits) is newer than ckpt_99999999.pt though it sorts before it as
+    text: resume takes it, and rotation deletes the older one, not the newest."""
+    for s in (99_999_999, 100_000_000):
+        atomic_torch_save(_ckpt(s), checkpoint_path(tmp_path, s))
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [99_999_999, 100_000_000]
+    assert find_latest(tmp_path, warn=lambda m: None)[1]["step"] == 100_000_000
+    assert rotate(tmp_path, keep=1) == [checkpoint_path(tmp_path, 99_999_999)]
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [100_000_000]
+
+
+def test_resolving_a_run_directory_takes_its_newest_checkpoint(tmp_path):
+    """sample.py / resolve_checkpoint on a run directory: the newest committed checkpoint that
+    loads, not the oldest."""
+    for s in (10, 20, 30):
+        atomic_torch_save(_ckpt(s), checkpoint_path(tmp_path, s))
+    assert find_resume(tmp_path, warn=lambda m: None)[1]["step"] == 30
+    path, ckpt = resolve_checkpoint(tmp_path, warn=lambda m: None)
+    assert path == checkpoint_path(tmp_path, 30) and ckpt["step"] == 30
+
+
+def _metadata_calling(tmp_path, module: str, name: str, args_pickle: bytes) -> bytes:
+    """A protocol-0 pickle that calls the global module.name(*args) (hand-made: pickle would name
+    torch.save by its defining module)."""
+    return f"c{module}\n{name}\n(".encode() + args_pickle + b"tR."
+
+
+def test_metadata_may_not_call_torch_functions(tmp_path):
+    """Only dtypes of the torch namespace are admitted: a .metadata that calls torch.save (writes
+    any file the user can) is refused and nothing is written."""
+    model, opt, backend, ck = _setup(True, run_dir=tmp_path / "run")
+    ck.save(_meta(1), model, opt, "test")
+    path = ck.save(_meta(2), model, opt, "test")
+    target = tmp_path / "written_by_pickle"
+    (path / ".metadata").write_bytes(_metadata_calling(tmp_path, "torch", "save",
+                                                       b"(dV" + b"x\nI1\ns" + f"V{target}\n".encode()))
+    with pytest.raises(CheckpointError, match=r"refused to load torch\.save"):
+        load_checkpoint(path)
+    warned = []
+    assert find_latest(tmp_path / "run", warn=warned.append)[1]["step"] == 1
+    assert not target.exists()
+
+
+@pytest.mark.parametrize("obj", [{}, [1, 2], torch.Size([3])], ids=["dict", "list", "size"])
+def test_metadata_that_is_not_dcp_metadata_is_refused_in_one_line(tmp_path, obj):
+    """A .metadata that unpickles (admitted classes) to something other than DCP's Metadata is a
+    CheckpointError naming it, and resume: auto falls back; it was an AttributeError traceback."""
+    model, opt, backend, ck = _setup(True, run_dir=tmp_path)
+    good = ck.save(_meta(1), model, opt, "test")
+    path = ck.save(_meta(2), model, opt, "test")
+    (path / ".metadata").write_bytes(pickle.dumps(obj))
+    with pytest.raises(CheckpointError, match="not DCP metadata$"):
+        peek_checkpoint(path)
+    assert find_latest(tmp_path, warn=lambda m: None)[0] == good
+
+
+@pytest.mark.parametrize("field, value", [("step", True), ("data", {"epoch": 0}), ("tokens_seen", False)])
+def test_a_malformed_marker_field_is_refused_and_resume_falls_back(tmp_path, field, value):
+    """A marker whose step is a boolean or whose data lacks the stream offset is refused when
+    peeked (before, it passed and the resume failed later, or resumed at step 1)."""
+    model, opt, backend, ck = _setup(True, run_dir=tmp_path)
+    good = ck.save(_meta(1), model, opt, "test")
+    path = ck.save(_meta(2), model, opt, "test")
+    marker = json.loads((path / MARKER).read_text())
+    marker[field] = value
+    (path / MARKER).write_text(json.dumps(marker))
+    with pytest.raises(CheckpointError, match=f"^{path / MARKER}: missing or malformed '{field}'"):
+        peek_checkpoint(path)
+    assert find_latest(tmp_path, warn=lambda m: None)[0] == good
+
+
+def test_deleting_a_checkpoint_uncommits_it_before_removing_its_shards(tmp_path, monkeypatch):
+    """Rotation removes a DCP directory's marker first: a crash (or a bucket that stops deleting)
+    half-way through the removal leaves an uncommitted directory, never a committed checkpoint
+    with missing shards."""
+    model, opt, backend, ck = _setup(True, run_dir=tmp_path, keep=5)
+    for s in (1, 2):
+        ck.save(_meta(s), model, opt, "test")
+    old = checkpoint_path(tmp_path, 1, True)
+    seen = []
+
+    def dies_before_removing(path, ignore_errors=False):
+        seen.append((Path(path), (Path(path) / MARKER).exists()))   # the process dies here
+
+    monkeypatch.setattr(checkpoint_module.shutil, "rmtree", dies_before_removing)
+    rotate(tmp_path, keep=1)
+    assert seen == [(old, False)]
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [2]
+
+
+def test_resuming_from_a_path_to_the_newest_checkpoint_is_not_refused_as_ahead(tmp_path):
+    """checkpoint.resume=<path of the run directory's newest checkpoint>: the same as auto, not
+    a checkpoint 'past' its own step."""
+    model, opt, backend, ck = _setup(False, run_dir=tmp_path, keep=5)
+    ck.save(_meta(2), model, opt, "test", wait=True)
+    newest = ck.save(_meta(4), model, opt, "test", wait=True)
+    path, meta = ck.find(str(newest))
+    assert path == newest and meta["step"] == 4
+    release_run_lock(tmp_path)
+
+
+def test_the_digest_of_a_dcp_directory_covers_its_metadata(tmp_path):
+    """Two DCP checkpoints with the same marker but different shard layouts (.metadata) are told
+    apart by checkpoint_digest."""
+    model, opt, backend, ck = _setup(True, run_dir=tmp_path)
+    path = ck.save(_meta(1), model, opt, "test")
+    before = checkpoint_digest(path)
+    meta = read_dcp_metadata(path)
+    next(iter(meta.storage_data.values())).length -= 1
+    (path / ".metadata").write_bytes(pickle.dumps(meta))
+    assert checkpoint_digest(path) != before
+
+
+def test_resuming_from_a_weights_only_checkpoint_is_refused_pointing_to_init_from(tmp_path):
+    """A weights-only file (consolidate --model-only, export_hf.py --import) is no resume point:
+    find refuses it in one line instead of failing later in restore with a KeyError."""
+    model, opt, backend, ck = _setup(False, run_dir=tmp_path)
+    path = ck.save(_meta(5), model, opt, "test", wait=True)
+    full = load_checkpoint(path, with_optimizer=False)
+    atomic_torch_save(full, path)
+    try:
+        with pytest.raises(CheckpointError, match=r"weights only .*checkpoint\.init_from$"):
+            ck.find("auto")
+    finally:
+        release_run_lock(tmp_path)
+
+
+def test_an_unfinished_save_that_cannot_be_deleted_at_start_is_a_warning(tmp_path, monkeypatch):
+    """The master deletes unfinished saves at start; one that cannot be deleted (a bucket that
+    takes new objects but refuses deletes) was a traceback on the master while the others waited
+    for it in the resume agreement. It is never resumed from: a warning, as in rotation."""
+    model, opt, backend, ck = _setup(False, run_dir=tmp_path, keep=5)
+    good = ck.save(_meta(2), model, opt, "test", wait=True)
+    release_run_lock(tmp_path)
+    stale = tmp_path / ".ckpt_00000004.pt.tmp-123-456"  # a save killed half-way
+    stale.write_bytes(b"partial")
+    unlink = Path.unlink
+
+    def refused(self, missing_ok=False):
+        if self.name.startswith(".ckpt_"):
+            raise PermissionError(1, "Operation not permitted", str(self))
+        return unlink(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", refused)
+    said = []
+    model, opt, backend, ck = _setup(False, run_dir=tmp_path, keep=5)
+    ck.log = said.append
+    try:
+        path, meta = ck.find("auto")
+    finally:
+        release_run_lock(tmp_path)
+    assert path == good and meta["step"] == 2 and stale.exists()
+    assert said == [f"warning: cannot delete {stale}, an unfinished save: Operation not permitted; the run "
+                    "goes on (it is never resumed from)"]
+
+
+@pytest.mark.parametrize("field, value", [("offset", "0"), ("length", 1.5), ("length", None)])
+def test_dcp_metadata_with_a_storage_extent_of_another_type_falls_back(tmp_path, field, value):
+    """An admitted .metadata whose shard offset or length is no integer was a TypeError out of
+    the size check, which resume: auto does not catch: a CheckpointError, and the previous
+    checkpoint is taken."""
+    model, opt, backend, ck = _setup(True, run_dir=tmp_path)
+    good = ck.save(_meta(1), model, opt, "test")
+    path = ck.save(_meta(2), model, opt, "test")
+    meta = read_dcp_metadata(path)
+    setattr(next(iter(meta.storage_data.values())), field, value)
+    (path / ".metadata").write_bytes(pickle.dumps(meta))
+    with pytest.raises(CheckpointError, match="missing or truncated"):
+        peek_checkpoint(path)
+    assert find_latest(tmp_path, warn=lambda m: None)[0] == good

@@ -206,7 +206,9 @@ def read_dcp_metadata(ckpt_dir: str | Path):
         if info.relative_path not in sizes:
             shard = d / info.relative_path
             sizes[info.relative_path] = shard.stat().st_size if shard.is_file() else -1
-        if info.offset < 0 or info.length < 0 or info.offset + info.length > sizes[info.relative_path]:
+        offset, length = getattr(info, "offset", None), getattr(info, "length", None)  # a None is not pickled
+        if type(offset) is not int or type(length) is not int or offset < 0 or length < 0 \
+                or offset + length > sizes[info.relative_path]:
             raise CheckpointError(f"{d / info.relative_path}: missing or truncated")
     return meta
 
@@ -520,13 +522,22 @@ def rotate(run_dir: str | Path, keep: int, newest: int | None = None,
     return deleted
 
 
-def clean_uncommitted(run_dir: str | Path) -> list[Path]:
-    """Delete every unfinished save (uncommitted DCP directories, temporary files). Only at start,
-    on the master, before any save of this run: nothing can be in flight."""
-    doomed = [p for _, p, ok in _entries(Path(run_dir)) if not ok]
-    for p in doomed:
-        _delete(p)
-    return doomed
+def clean_uncommitted(run_dir: str | Path, warn: Callable[[str], None] | None = None) -> list[Path]:
+    """Delete every unfinished save (uncommitted DCP directories, temporary files) and return what
+    was deleted. Only at start, on the master, before any save of this run: nothing can be in
+    flight. With ``warn``, one that cannot be deleted is said there (it is never loaded, and
+    rotation tries again); without, the error is raised."""
+    deleted = []
+    for p in [p for _, p, ok in _entries(Path(run_dir)) if not ok]:
+        try:
+            _delete(p)
+            deleted.append(p)
+        except OSError as e:
+            if warn is None:
+                raise
+            warn(f"warning: cannot delete {p}, an unfinished save: {e.strerror or e}; the run goes on "
+                 "(it is never resumed from)")
+    return deleted
 
 
 # -- the object the training loop calls -----------------------------------------------------------
@@ -582,7 +593,7 @@ class Checkpointer:
         self._check_shared()
         self._lock_run_dir()
         if self.backend.is_master:
-            for p in clean_uncommitted(self.run_dir):
+            for p in clean_uncommitted(self.run_dir, warn=self.log):
                 self.log(f"removed {p}: an unfinished save")
         error = found = digest = None
         try:
