@@ -285,10 +285,6 @@ def _dcp_meta(ckpt_dir: Path) -> dict:
     return meta
 
 
-HF_DIRECTORY = ("a Hugging Face model directory (config.json), not a checkpoint: load it with transformers, "
-                "or make a checkpoint of it with export_hf.py --import")
-
-
 def _file_kind(path: Path, e: Exception) -> str:
     """What a file torch.load cannot read is, from its first bytes: torch's own message for a
     zip (torch.save's format), which names what is wrong inside; else what the bytes say."""
@@ -449,7 +445,9 @@ def resolve_checkpoint(path: str | Path, warn: Callable[[str], None] = print,
         found = find_resume(p, warn, with_optimizer)
         if found is None:
             if (p / "config.json").is_file() and not list_checkpoints(p):
-                raise CheckpointError(f"{p}: {HF_DIRECTORY}")
+                raise CheckpointError(f"{p}: a Hugging Face model directory (config.json), not a checkpoint: "
+                                      "load it with transformers, or make a checkpoint of it with "
+                                      "export_hf.py --import")
             raise CheckpointError(f"{p}: no checkpoint in this run directory (no committed ckpt_*), "
                                   "and not a checkpoint directory itself")
         return found
