@@ -1059,3 +1059,19 @@ def test_dcp_metadata_with_a_storage_extent_of_another_type_falls_back(tmp_path,
     with pytest.raises(CheckpointError, match="missing or truncated"):
         peek_checkpoint(path)
     assert find_latest(tmp_path, warn=lambda m: None)[0] == good
+
+
+def test_a_checkpoint_under_another_steps_name_is_skipped_with_its_reason(tmp_path):
+    """The names order a run directory's checkpoints: one copied in under a later step's name
+    (an older checkpoint 'restored' as the newest) was resumed from, the run's next saves sorted
+    before it, and every later resume went back to it. It is skipped, saying why."""
+    model, opt, backend, ck = _setup(False, run_dir=tmp_path, keep=5)
+    two = ck.save(_meta(2), model, opt, "test", wait=True)
+    four = ck.save(_meta(4), model, opt, "test", wait=True)
+    shutil.copy(two, checkpoint_path(tmp_path, 6))
+    said = []
+    assert find_latest(tmp_path, warn=said.append)[0] == four
+    assert resolve_checkpoint(tmp_path, warn=said.append)[0] == four
+    assert said == [f"warning: {checkpoint_path(tmp_path, 6)}: holds step 2, not the 6 its name says (renamed, "
+                    "or copied in under another name): rename it or move it away; trying the previous "
+                    "checkpoint"] * 2

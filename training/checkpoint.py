@@ -418,20 +418,30 @@ def checkpoint_digest(path: str | Path, window: int = 1 << 20) -> str:
 def find_latest(run_dir: str | Path, warn: Callable[[str], None] = print) -> tuple[Path, dict] | None:
     """The newest committed checkpoint in ``run_dir`` that passes ``peek_checkpoint``, with what it
     returned; a corrupt newer one is reported and skipped (never deleted)."""
-    for _, path in reversed(list_checkpoints(run_dir)):
+    for step, path in reversed(list_checkpoints(run_dir)):
         try:
-            return path, peek_checkpoint(path)
+            return path, _named_step(path, step, peek_checkpoint(path))
         except CheckpointError as e:
             warn(f"warning: {e}; trying the previous checkpoint")
     return None
 
 
+def _named_step(path: Path, step: int, ckpt: dict) -> dict:
+    """``ckpt``, read from ``path`` in a run directory, if it holds the step its name says: the
+    names order the checkpoints (resume, rotation), and one renamed or copied under a later
+    step's name would be resumed from again and again, the run's newer saves sorting before it."""
+    if ckpt["step"] != step:
+        raise CheckpointError(f"{path}: holds step {ckpt['step']}, not the {step} its name says (renamed, "
+                              "or copied in under another name): rename it or move it away")
+    return ckpt
+
+
 def find_resume(run_dir: str | Path, warn: Callable[[str], None] = print,
                 with_optimizer: bool = True) -> tuple[Path, dict] | None:
     """The newest committed checkpoint in ``run_dir`` that loads, loaded (``load_checkpoint``)."""
-    for _, path in reversed(list_checkpoints(run_dir)):
+    for step, path in reversed(list_checkpoints(run_dir)):
         try:
-            return path, load_checkpoint(path, with_optimizer)
+            return path, _named_step(path, step, load_checkpoint(path, with_optimizer))
         except CheckpointError as e:
             warn(f"warning: {e}; trying the previous checkpoint")
     return None
