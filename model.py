@@ -72,7 +72,7 @@ class ModelConfig:
     nash_compression: int = _help("compression ratio r: scale l pools blocks of r**l tokens", 4)
     nash_window: int = _help("sliding window of the full-resolution scale (0: none)", 64)
     nash_iters: int = _help("best-response rounds of the Nash aggregation", 3)
-    nash_tau: float = _help("initial temperature of the Nash best response (learned, per head)", 1.0)
+    nash_tau: float = _help("initial temperature of the Nash best response (learned, per head), in [0.001, 1000]", 1.0)
     nash_pool: Literal["mean", "learned"] = _help("how a block of keys/values is compressed", "mean")
     aggregation: Literal["nash", "convex", "mean"] = _help("how the scale outputs are fused", "nash")
     activation_checkpointing: bool = _help("recompute each block in the backward pass", False)
@@ -95,6 +95,9 @@ class ModelConfig:
             need(getattr(self, name) >= 1, f"{name}={getattr(self, name)} must be at least 1")
         for name in ("ffn_mult", "rope_theta", "norm_eps", "init_std", "nash_tau"):
             need(getattr(self, name) > 0, f"{name}={getattr(self, name)} must be positive")
+        # the best response is a softmax of payoffs / tau: far outside this range its logits (or
+        # their gradients) overflow in the first step, which then reads as a NaN loss
+        need(1e-3 <= self.nash_tau <= 1e3, f"nash_tau={self.nash_tau} must be in [0.001, 1000]")
         need(self.d_model % self.n_heads == 0,
              f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
         need(self.head_dim % 2 == 0,

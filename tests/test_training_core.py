@@ -140,7 +140,9 @@ def test_config_unknown_section(tmp_path):
     ("training: {max_steps: 3}\ndata: {seq_len: 4096}", "data.seq_len=4096 is above model.max_seq_len"),
     ("training: {}", "exactly one of training.max_steps and training.total_tokens"),
     ("training: {max_steps: 3}\nmodel: {d_model: 100, n_heads: 3}", "model.d_model"),
-    ("training: {max_steps: 3, seed: 18446744073709551616}", r"training.seed=18446744073709551616 must be in \[0, 2\*\*63\)"),
+    ("training: {max_steps: 3, seed: 18446744073709551616}", r"training.seed: 18446744073709551616 is out of range "
+                                                             r"\(\|value\| < 2\*\*63\)"),
+    ("training: {max_steps: 3, seed: -1}", r"training.seed=-1 must be in \[0, 2\*\*63\)"),
     # YAML 1.1 reads 1:30 as 90 (base 60); lists and mappings show as written, not as objects
     ("training: {max_steps: 3, learning_rate: 1:30}", "training.learning_rate: 1:30 is the base-60 number 90 in YAML 1.1"),
     ("training: {max_steps: 3, betas: [0.9, 0.95, 0.99]}", r"got \[0.9, 0.95, 0.99\]$"),
@@ -338,11 +340,9 @@ def test_string_keys_take_an_override_as_written(tmp_path):
                           "data.dir=!!str 0200"])
     assert cfg.logging.wandb.run_name is None and cfg.training.max_steps == 16 and cfg.checkpoint.dir == "0100"
     assert cfg.data.dir == "0200"  # a YAML tag is YAML's reading, as in a config file
-    with pytest.raises(ConfigError, match="^model: expected a mapping of keys, got 5$"):
+    with pytest.raises(ConfigError, match=r"^override model=5: model is a section: set its keys \(model.vocab_size=...\) "
+                                          r"or give a mapping \(model=\{vocab_size: ...\}\)$"):
         load_config(None, ["model=5", "training.max_steps=3"])
-    # the later override trips over the earlier one: the message shows both
-    with pytest.raises(ConfigError, match=r"^override training.max_steps: 'training' is 1, not a section \("):
-        load_config(None, ["training=1", "training.max_steps=3"])
     # a '#' in a path is part of it (YAML would cut a comment off); quoted text is YAML's
     cfg = load_config(p, ["checkpoint.dir=runs/lr sweep #3", "logging.wandb.run_name='a #1'"])
     assert (cfg.checkpoint.dir, cfg.logging.wandb.run_name) == ("runs/lr sweep #3", "a #1")
@@ -354,6 +354,41 @@ def test_string_keys_take_an_override_as_written(tmp_path):
     assert cfg.training.betas == (0.8, 0.9) and (cfg.xla.mesh.fsdp, cfg.xla.mesh.tp) == (2, 2)
     with pytest.raises(ConfigError, match=r"training.betas: expected a list of 2 values .*, got \{'x': 1\}$"):
         load_config(p, ["training.betas=x: 1"])
+
+
+def test_what_a_config_would_take_silently_or_as_a_traceback_is_one_line(tmp_path):
+    """Found by a review of config.py: a section's mapping replaced the file's section (the keys it
+    left out went back to their defaults); a YAML tag that does not construct, an integer past
+    int64, an empty path (the working directory), an octal 0100 (64), a decay product >= 1 (the
+    weights zeroed or flipped each step) and a Nash temperature whose first step overflows were
+    taken, or failed later as a traceback or a NaN loss."""
+    p = write(tmp_path, "training: {max_steps: 3, batch_size: 2, warmup_steps: 1}\n")
+    t = load_config(p, ["training={max_steps: 5}", "xla.mesh={fsdp: 2}", "xla={mesh: {tp: 2}}"])
+    assert (t.training.max_steps, t.training.batch_size, t.training.warmup_steps) == (5, 2, 1)  # merged
+    assert (t.xla.mesh.fsdp, t.xla.mesh.tp) == (2, 2)
+    bad = {"training.max_steps=!!int 1e3": r"override 'training.max_steps=!!int 1e3': YAML cannot read '!!int 1e3' "
+                                            r"\(invalid literal for int\(\) with base 10: '1e3'\)",
+           "training.learning_rate=!!float": r"override 'training.learning_rate=!!float': YAML cannot read",
+           "training.batch_size=100000000000000000000": r".*training.batch_size: 100000000000000000000 is out of "
+                                                        r"range \(\|value\| < 2\*\*63\)",
+           "checkpoint.dir=": r".*checkpoint.dir is empty: give a path$",
+           "checkpoint.resume= ": r".*checkpoint.resume is empty: give a path \(or auto, or none\)$",
+           "checkpoint.init_from=": r".*checkpoint.init_from is empty",
+           "data.dir=": r".*data.dir is empty",
+           "training.max_steps=0100": r".*training.max_steps: 0100 is the octal number 64 in YAML 1.1; write the "
+                                      r"number without its leading zero$",
+           "training.weight_decay=1000": r".*training.weight_decay=1000.0 x training.learning_rate=0.003 is 3: the "
+                                         r"decay would zero or flip the weights",
+           "model.nash_tau=1e-10": r".*model.nash_tau=1e-10 must be in \[0.001, 1000\]$"}
+    for override, message in bad.items():
+        with pytest.raises(ConfigError, match="^" + message):
+            load_config(p, [override])
+    with pytest.raises(ConfigError, match=r".*training.weight_decay=60.0 x training.muon_lr=0.02 is 1.2"):
+        load_config(p, ["training.optimizer=muon", "training.weight_decay=60"])
+    assert load_config(p, ["training.weight_decay=60"]).training.weight_decay == 60  # AdamW's lr: 0.18
+    assert load_config(p, ["training.max_steps=08", "checkpoint.dir=0100"]).training.max_steps == 8  # not octal
+    with pytest.raises(ConfigError, match=r"invalid YAML \(a tagged value: could not convert string to float: 'abc'\)$"):
+        load_config(write(tmp_path, "training: {max_steps: 3, learning_rate: !!float abc}\n", name="tag.yaml"))
 
 
 def test_string_keys_in_a_file_are_the_text_written(tmp_path):

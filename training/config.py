@@ -310,6 +310,8 @@ def _plain(x: Any) -> Any:
 
 # YAML 1.1 reads 1:30 as 90 (base 60, PyYAML's int and float resolvers); nobody means that in a config
 _SEXAGESIMAL = re.compile(r"[-+]?[0-9][0-9_]*(:[0-5]?[0-9])+(\.[0-9_]*)?")
+# and 0100 as 64 (octal, PyYAML's int resolver), where 08 is 8
+_OCTAL = re.compile(r"[-+]?0[0-7_]+")
 
 
 def _coerce(value: Any, tp: Any, key: str) -> Any:
@@ -320,6 +322,10 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
                 and ":" in scalar.text and _SEXAGESIMAL.fullmatch(scalar.text.strip()):
             raise ConfigError(f"{key}: {scalar.text.strip()} is the base-60 number {value} in YAML 1.1; "
                               "write the number itself")
+        if not scalar.quoted and value is scalar.value and type(value) is int \
+                and _OCTAL.fullmatch(scalar.text.strip()):
+            raise ConfigError(f"{key}: {scalar.text.strip()} is the octal number {value} in YAML 1.1; "
+                              "write the number without its leading zero")
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
@@ -354,13 +360,16 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             return value
         raise ConfigError(f"{key}: expected true or false, got {value!r}")
     if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
         if isinstance(value, str):  # YAML reads 1e9 (no dot) as a string
             try:
-                return int(value)
+                value = int(value)
             except ValueError:
                 pass
+        if isinstance(value, int) and not isinstance(value, bool):
+            if abs(value) >= 2**63:  # torch's and numpy's int64: past it a traceback, later
+                raise ConfigError(f"{key}: {value} is out of range (|value| < 2**63)")
+            return value
+        if isinstance(value, str):
             try:
                 value = float(value)
             except ValueError:
@@ -432,6 +441,10 @@ def _set_path(tree: dict, dotted: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
+def _one_line(e: BaseException) -> str:
+    return next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)[:300]
+
+
 def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
     out = []
     for item in overrides:
@@ -442,6 +455,8 @@ def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
             value = yaml.safe_load(raw) if raw != "" else ""
         except yaml.YAMLError:
             value = raw
+        except (ValueError, TypeError, IndexError, AttributeError) as e:  # a tag's constructor: !!int 1e3
+            raise ConfigError(f"override {item!r}: YAML cannot read {raw!r} ({_one_line(e)})") from None
         # quoted or tagged (!!str 0100): the text YAML reads, not the text as written
         quoted = raw.strip()[:1] in ("'", '"', "!") and isinstance(value, str)
         out.append((key.strip(), _Scalar(raw, value, quoted)))
@@ -465,18 +480,51 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
             mark = getattr(e, "problem_mark", None)
             where = f" line {mark.line + 1}" if mark else ""
             raise ConfigError(f"{path}:{where} invalid YAML ({getattr(e, 'problem', e)})") from None
+        except (ValueError, TypeError, IndexError, AttributeError) as e:  # a tag's constructor: !!float abc
+            raise ConfigError(f"{path}: invalid YAML (a tagged value: {_one_line(e)})") from None
         if not isinstance(tree, dict):
             raise ConfigError(f"{path}: expected a mapping of sections at the top level")
     parsed = parse_overrides(list(overrides))
     file_tree = copy.deepcopy(tree) if parsed else None
     for key, value in parsed:
-        _set_path(tree, key, value)
+        _set_override(tree, key, value)
     try:
         cfg = build(Config, tree)
         check(cfg)
     except ConfigError as e:
         raise ConfigError(_where(path, file_tree, [key for key, _ in parsed], str(e))) from None
     return cfg
+
+
+def _set_override(tree: dict, dotted: str, value: Any) -> None:
+    """One override into the config's tree. A section's (``training={max_steps: 5}``) is a
+    mapping merged key by key into what the file (or an earlier override) gave it: replacing
+    the section would put every key the mapping leaves out back to its default, silently."""
+    section = _section(dotted)
+    if section is None:
+        _set_path(tree, dotted, value)
+        return
+    mapping = _plain(value)
+    if not isinstance(mapping, dict):
+        first = _key(dataclasses.fields(section)[0])
+        raise ConfigError(f"override {dotted}={getattr(value, 'text', mapping)}: {dotted} is a section: set "
+                          f"its keys ({dotted}.{first}=...) or give a mapping ({dotted}={{{first}: ...}})")
+    for key, sub in mapping.items():
+        _set_override(tree, f"{dotted}.{key}", sub)
+
+
+def _section(dotted: str) -> type | None:
+    """The dataclass of the schema's section at ``dotted`` (``training``, ``xla.mesh``), or None
+    for a key, or a name the schema does not have (``build`` says so, with its valid keys)."""
+    node: Any = Config
+    for part in dotted.split("."):
+        if not dataclasses.is_dataclass(node):
+            return None
+        fields = {_key(f): f for f in dataclasses.fields(node) if f.init}
+        if part not in fields:
+            return None
+        node = typing.get_type_hints(node)[fields[part].name]
+    return node if dataclasses.is_dataclass(node) else None
 
 
 def _where(path, file_tree: dict | None, override_keys: list[str], msg: str) -> str:
@@ -538,6 +586,11 @@ def check(cfg: Config) -> None:
         bad(f"training.seed={t.seed} must be in [0, 2**63)")
     if t.weight_decay < 0:
         bad(f"training.weight_decay={t.weight_decay} must be >= 0")
+    for lr_key, lr in (("learning_rate", t.learning_rate),) + ((("muon_lr", t.muon_lr),) if t.optimizer == "muon" else ()):
+        if lr * t.weight_decay >= 1:  # decoupled decay multiplies the weights by 1 - lr x wd every step
+            bad(f"training.weight_decay={t.weight_decay} x training.{lr_key}={lr} is {lr * t.weight_decay:g}: "
+                "the decay would zero or flip the weights at every step (it multiplies them by 1 - lr x wd); "
+                "keep the product below 1")
     if not all(0 <= b < 1 for b in t.betas):
         bad(f"training.betas={list(t.betas)} must be in [0, 1)")
     if not t.eps >= 1e-30:
@@ -572,6 +625,11 @@ def check(cfg: Config) -> None:
         bad(f"logging.profile_start={cfg.logging.profile_start} must be >= 0 (0: no profile)")
     if cfg.logging.profile_steps < 1:
         bad(f"logging.profile_steps={cfg.logging.profile_steps} must be at least 1")
+    for key, value in (("data.dir", d.dir), ("checkpoint.dir", cfg.checkpoint.dir),
+                       ("checkpoint.resume", cfg.checkpoint.resume), ("checkpoint.init_from", cfg.checkpoint.init_from)):
+        if value is not None and not value.strip():  # the working directory, whatever it holds
+            bad(f"{key} is empty: give a path" + (" (or auto, or none)" if key == "checkpoint.resume" else
+                                                   " (or null)" if key == "checkpoint.init_from" else ""))
     if cfg.logging.dir is not None and not cfg.logging.dir.strip():
         bad("logging.dir is empty: give a directory, or null for checkpoint.dir")
     if cfg.logging.peak_flops is not None and not 0 <= cfg.logging.peak_flops < math.inf:
