@@ -542,6 +542,16 @@ def test_plan_bad_input_is_one_line_and_exit_2(capsys, argv, message):
     assert err.count("\n") == 1 and message in err, err
 
 
+def test_the_plan_says_what_the_run_would_warn_about(capsys):
+    """A warmup as long as the run is legal, and said when the run starts: --plan, which is read
+    before starting one, said nothing of it."""
+    code, out, err = plan_main(capsys, ROOT / "configs" / "demo.yaml", "training.max_steps=100",
+                               "training.warmup_steps=500", "--plan", entry="torch")
+    assert code == 0 and "steps             100" in out
+    assert err.splitlines() == ["warning: training.warmup_steps=500 is not below the run's 100 steps: the "
+                                "learning rate rises for the whole run and never decays"]
+
+
 def test_plan_options_without_plan_are_refused(capsys):
     for flag, value in (("--device-kind", "v4"), ("--mfu", "0.5"), ("--margin", "0.2")):
         code, _, err = plan_main(capsys, ROOT / "configs" / "demo.yaml", flag, value)

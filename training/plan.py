@@ -1276,4 +1276,8 @@ def run_plan(cfg: Config, entry: str, config_path, device_kind: Optional[str], m
     plan, train_trace = make_plan(cfg, entry, device, margin=margin, layout=layout)
     levers = None if plan.fits else find_levers(plan, entry, train_trace)
     print(format_plan(plan, mfu, usd_per_chip_hour, config_path, levers), file=out or sys.stdout)
+    from .loop import settings_warnings  # what a run of this config would warn about at its start
+    for line in settings_warnings(cfg, cfg.tokens_per_step(layout.replicas), None,
+                                  cfg.resolve_steps(layout.replicas)):
+        print(line, file=sys.stderr)
     return 0 if plan.fits else 1
