@@ -28,8 +28,9 @@ def lr_at(step: float, max_steps: float, peak: float, warmup: int, min_ratio: fl
     ``CosineAnnealingLR(T_max=max_steps - warmup - 1, eta_min)``.
     ``wsd`` (warmup-stable-decay): the peak until the last ``decay_ratio`` of the steps (at least
     one, none in the warmup), which decay as ``decay_shape`` (linear, 1-sqrt, cosine) to the
-    minimum at the last step: step for step transformers' ``get_wsd_schedule`` with one decay step
-    fewer (it reaches the minimum one step past its decay). A run extended from a checkpoint of
+    minimum at the last step: after the warmup (the cosine's, above; transformers' rises from
+    ``min_ratio``), step for step transformers' ``get_wsd_schedule`` with one decay step fewer (it
+    reaches the minimum one step past its decay). A run extended from a checkpoint of
     its stable part goes on as if the longer run had been planned.
 
     ``step`` counts from 0 (the first update uses ``lr_at(0)``, never 0); it may be fractional
