@@ -149,6 +149,45 @@ def test_main_checks_the_data_first_in_one_process_and_together_when_launched_to
     assert capsys.readouterr().err.strip() == "train.py: error: from the launch agreement"
 
 
+# -- found unpinned by mutation testing of launch.py ------------------------------------------------
+
+# the launch agreement compares every key but the per-host ones
+
+def test_config_items_hold_every_key_but_the_four_per_host_ones(tmp_path):
+    cfg = load_config(tiny_config(tmp_path, tmp_path), [])
+
+    def flat(tree, prefix=""):
+        for k, v in tree.items():
+            if isinstance(v, dict):
+                yield from flat(v, f"{prefix}{k}.")
+            else:
+                yield f"{prefix}{k}"
+
+    documented = {"data.dir", "checkpoint.dir", "xla.compile_cache", "data.num_workers"}
+    assert set(PER_HOST_KEYS) == documented
+    assert set(config_items(cfg)) == set(flat(cfg.to_dict())) - documented
+    # the seed draws every epoch's order: hosts with other seeds would train on overlapping samples
+    other = load_config(tiny_config(tmp_path, tmp_path), ["training.seed=8"])
+    assert config_difference([config_items(cfg), config_items(other)]).startswith(
+        "config differs between processes: training.seed is 7 on process 0 and 8 on process 1")
+
+
+
+def test_a_key_set_to_null_on_one_process_and_absent_on_another_is_a_difference():
+    """Processes running other versions of the code: one has a key (default null) the other lacks.
+    Their config digests differ, and the verdict must name the key, not let the launch go on."""
+    a = {"training.learning_rate": 0.001}
+    b = {**a, "logging.wandb.run_name": None}
+    assert config_difference([a, b]) == (
+        "config differs between processes: logging.wandb.run_name is (not set) on process 0 and null on "
+        "process 1; every process must run the same config file and overrides")
+
+
+def test_the_verdict_is_the_first_problem_by_rank():
+    same = launch_entry("abc", "{}", "")
+    entries = [same, launch_entry("", "{}", "problem one"), launch_entry("", "{}", "problem two")]
+    assert launch_verdict(entries, "/d") == "problem one (found by process 1)"
+
 # -- two gloo processes --------------------------------------------------------------------------
 
 def _agree(rank, store, cfgs, out_dir):
