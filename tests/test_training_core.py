@@ -727,7 +727,15 @@ def test_shards_short_against_seq_len_warn_of_the_unused_tokens(tmp_path):
         "warning: 36% of the train split's tokens are in no window: windows of data.seq_len + 1 = 257 "
         "tokens do not cross shard boundaries, and its shards hold 400 tokens on average; prepare the "
         "data with a larger --shard-tokens, or use a shorter data.seq_len")
-    assert TokenWindows(d, "train", 133).unused_warning("train") is None  # 3 windows a shard: 0.25% unused
+    assert TokenWindows(d, "train", 133).unused_warning("train") is None  # 3 windows a shard read all 400
+    # a shard's c windows read c x seq_len + 1 tokens: 100-token shards with seq_len 89 leave 10%
+    # unread, not 11% (the warning is for more than a tenth)
+    for i in range(3):
+        np.save(d / f"train_{i:05d}.npy", np.arange(100, dtype=np.uint16))
+    (d / "meta.json").write_text(json.dumps({"vocab_size": 400, "dtype": "uint16", "splits": {"train": {
+        "shards": [dict(s, tokens=100) for s in shards]}}}))
+    assert TokenWindows(d, "train", 89).unused_warning("train") is None
+    assert TokenWindows(d, "train", 88).unused_warning("train").startswith("warning: 11% of the train split")
 
 
 def test_a_dataset_pickles_without_its_shards(stdlib_data):
