@@ -386,6 +386,8 @@ def test_what_a_config_would_take_silently_or_as_a_traceback_is_one_line(tmp_pat
     with pytest.raises(ConfigError, match=r".*training.weight_decay=60.0 x training.muon_lr=0.02 is 1.2"):
         load_config(p, ["training.optimizer=muon", "training.weight_decay=60"])
     assert load_config(p, ["training.weight_decay=60"]).training.weight_decay == 60  # AdamW's lr: 0.18
+    muon = ["training.optimizer=muon", "training.learning_rate=0.05", "training.weight_decay=25"]
+    assert load_config(p, muon).training.weight_decay == 25  # Muon's AdamW group is not decayed
     assert load_config(p, ["training.max_steps=08", "checkpoint.dir=0100"]).training.max_steps == 8  # not octal
     with pytest.raises(ConfigError, match=r"invalid YAML \(a tagged value: could not convert string to float: 'abc'\)$"):
         load_config(write(tmp_path, "training: {max_steps: 3, learning_rate: !!float abc}\n", name="tag.yaml"))

@@ -441,10 +441,6 @@ def _set_path(tree: dict, dotted: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-def _one_line(e: BaseException) -> str:
-    return next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)[:300]
-
-
 def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
     out = []
     for item in overrides:
@@ -456,7 +452,8 @@ def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
         except yaml.YAMLError:
             value = raw
         except (ValueError, TypeError, IndexError, AttributeError) as e:  # a tag's constructor: !!int 1e3
-            raise ConfigError(f"override {item!r}: YAML cannot read {raw!r} ({_one_line(e)})") from None
+            from .checkpoint import first_line
+            raise ConfigError(f"override {item!r}: YAML cannot read {raw!r} ({first_line(e)})") from None
         # quoted or tagged (!!str 0100): the text YAML reads, not the text as written
         quoted = raw.strip()[:1] in ("'", '"', "!") and isinstance(value, str)
         out.append((key.strip(), _Scalar(raw, value, quoted)))
@@ -481,7 +478,8 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
             where = f" line {mark.line + 1}" if mark else ""
             raise ConfigError(f"{path}:{where} invalid YAML ({getattr(e, 'problem', e)})") from None
         except (ValueError, TypeError, IndexError, AttributeError) as e:  # a tag's constructor: !!float abc
-            raise ConfigError(f"{path}: invalid YAML (a tagged value: {_one_line(e)})") from None
+            from .checkpoint import first_line
+            raise ConfigError(f"{path}: invalid YAML (a tagged value: {first_line(e)})") from None
         if not isinstance(tree, dict):
             raise ConfigError(f"{path}: expected a mapping of sections at the top level")
     parsed = parse_overrides(list(overrides))
@@ -586,11 +584,12 @@ def check(cfg: Config) -> None:
         bad(f"training.seed={t.seed} must be in [0, 2**63)")
     if t.weight_decay < 0:
         bad(f"training.weight_decay={t.weight_decay} must be >= 0")
-    for lr_key, lr in (("learning_rate", t.learning_rate),) + ((("muon_lr", t.muon_lr),) if t.optimizer == "muon" else ()):
-        if lr * t.weight_decay >= 1:  # decoupled decay multiplies the weights by 1 - lr x wd every step
-            bad(f"training.weight_decay={t.weight_decay} x training.{lr_key}={lr} is {lr * t.weight_decay:g}: "
-                "the decay would zero or flip the weights at every step (it multiplies them by 1 - lr x wd); "
-                "keep the product below 1")
+    # the decayed group is the matrices, at muon_lr with Muon (its AdamW group is not decayed)
+    lr_key, lr = ("muon_lr", t.muon_lr) if t.optimizer == "muon" else ("learning_rate", t.learning_rate)
+    if lr * t.weight_decay >= 1:  # decoupled decay multiplies the weights by 1 - lr x wd every step
+        bad(f"training.weight_decay={t.weight_decay} x training.{lr_key}={lr} is {lr * t.weight_decay:g}: "
+            "the decay would zero or flip the weights at every step (it multiplies them by 1 - lr x wd); "
+            "keep the product below 1")
     if not all(0 <= b < 1 for b in t.betas):
         bad(f"training.betas={list(t.betas)} must be in [0, 1)")
     if not t.eps >= 1e-30:
