@@ -231,7 +231,7 @@ def test_a_file_that_is_no_checkpoint_is_named_for_what_it_is(tmp_path):
     assert said["empty.pt"] == "the file is empty)"
     assert said["text.pt"] == "its bytes are not torch.save's zip format)"
     assert said["truncated.pt"].startswith("a truncated or corrupt torch.save file: ")
-    assert said["model.safetensors"].startswith("a safetensors file, weights alone: a Hugging Face export's")
+    assert said["model.safetensors"].startswith("a safetensors file, weights alone: a Hugging Face model's")
     hf = tmp_path / "hf"
     hf.mkdir()
     (hf / "config.json").write_text("{}")

@@ -298,8 +298,8 @@ def _file_kind(path: Path, e: Exception) -> str:
     if head[:4] == b"PK\x03\x04":
         return f"a truncated or corrupt torch.save file: {first_line(e)}"
     if len(head) == 9 and head[8:9] == b"{":  # an 8-byte header length, then the JSON header
-        return ("a safetensors file, weights alone: a Hugging Face export's directory is loaded with "
-                "transformers, or made a checkpoint with export_hf.py --import")
+        return ("a safetensors file, weights alone: a Hugging Face model's directory is loaded with "
+                "transformers, and a Llama's starts a run with checkpoint.init_from")
     return "its bytes are not torch.save's zip format"
 
 
@@ -456,8 +456,8 @@ def resolve_checkpoint(path: str | Path, warn: Callable[[str], None] = print,
         if found is None:
             if (p / "config.json").is_file() and not list_checkpoints(p):
                 raise CheckpointError(f"{p}: a Hugging Face model directory (config.json), not a checkpoint: "
-                                      "load it with transformers, or make a checkpoint of it with "
-                                      "export_hf.py --import")
+                                      "load it with transformers; a Llama's starts a run with "
+                                      "checkpoint.init_from")
             raise CheckpointError(f"{p}: no checkpoint in this run directory (no committed ckpt_*), "
                                   "and not a checkpoint directory itself")
         return found
