@@ -1041,7 +1041,7 @@ def test_an_unfinished_save_that_cannot_be_deleted_at_start_is_a_warning(tmp_pat
     finally:
         release_run_lock(tmp_path)
     assert path == good and meta["step"] == 2 and stale.exists()
-    assert said == [f"warning: cannot delete {stale}, an unfinished save: Operation not permitted; the run "
+    assert said == [f"warning: cannot delete {stale} (an unfinished save): Operation not permitted; the run "
                     "goes on (it is never resumed from)"]
 
 

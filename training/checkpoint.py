@@ -517,17 +517,7 @@ def rotate(run_dir: str | Path, keep: int, newest: int | None = None,
     older = [p for s, p in committed if s < newest and not (keep_every and s % keep_every == 0)]
     doomed = older[:max(0, len(older) - (keep - 1))] if keep > 0 else []
     doomed += [p for s, p, ok in entries if not ok and s < newest]
-    deleted = []
-    for p in doomed:
-        try:
-            _delete(p)
-            deleted.append(p)
-        except OSError as e:
-            if warn is None:
-                raise
-            warn(f"warning: cannot delete {p} (checkpoint.keep={keep}): {e.strerror or e}; "
-                 "the run goes on, and the next save tries again")
-    return deleted
+    return _delete_all(doomed, warn, f"(checkpoint.keep={keep})", "the next save tries again")
 
 
 def clean_uncommitted(run_dir: str | Path, warn: Callable[[str], None] | None = None) -> list[Path]:
@@ -535,16 +525,22 @@ def clean_uncommitted(run_dir: str | Path, warn: Callable[[str], None] | None = 
     was deleted. Only at start, on the master, before any save of this run: nothing can be in
     flight. With ``warn``, one that cannot be deleted is said there (it is never loaded, and
     rotation tries again); without, the error is raised."""
+    doomed = [p for _, p, ok in _entries(Path(run_dir)) if not ok]
+    return _delete_all(doomed, warn, "(an unfinished save)", "it is never resumed from")
+
+
+def _delete_all(paths: list[Path], warn: Callable[[str], None] | None, what: str, after: str) -> list[Path]:
+    """Delete ``paths``; those deleted. One that cannot be: the error raised, or with ``warn`` said
+    there (``what`` the path is, ``after`` why going on is safe) and the others still go."""
     deleted = []
-    for p in [p for _, p, ok in _entries(Path(run_dir)) if not ok]:
+    for p in paths:
         try:
             _delete(p)
             deleted.append(p)
         except OSError as e:
             if warn is None:
                 raise
-            warn(f"warning: cannot delete {p}, an unfinished save: {e.strerror or e}; the run goes on "
-                 "(it is never resumed from)")
+            warn(f"warning: cannot delete {p} {what}: {e.strerror or e}; the run goes on ({after})")
     return deleted
 
 
