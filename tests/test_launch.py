@@ -151,9 +151,8 @@ def test_main_checks_the_data_first_in_one_process_and_together_when_launched_to
 
 # -- found unpinned by mutation testing of launch.py ------------------------------------------------
 
-# the launch agreement compares every key but the per-host ones
-
 def test_config_items_hold_every_key_but_the_four_per_host_ones(tmp_path):
+    """The launch agreement compares every key but the per-host ones."""
     cfg = load_config(tiny_config(tmp_path, tmp_path), [])
 
     def flat(tree, prefix=""):
@@ -172,7 +171,6 @@ def test_config_items_hold_every_key_but_the_four_per_host_ones(tmp_path):
         "config differs between processes: training.seed is 7 on process 0 and 8 on process 1")
 
 
-
 def test_a_key_set_to_null_on_one_process_and_absent_on_another_is_a_difference():
     """Processes running other versions of the code: one has a key (default null) the other lacks.
     Their config digests differ, and the verdict must name the key, not let the launch go on."""
@@ -187,6 +185,7 @@ def test_the_verdict_is_the_first_problem_by_rank():
     same = launch_entry("abc", "{}", "")
     entries = [same, launch_entry("", "{}", "problem one"), launch_entry("", "{}", "problem two")]
     assert launch_verdict(entries, "/d") == "problem one (found by process 1)"
+
 
 # -- two gloo processes --------------------------------------------------------------------------
 

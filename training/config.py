@@ -624,11 +624,12 @@ def check(cfg: Config) -> None:
         bad(f"logging.profile_start={cfg.logging.profile_start} must be >= 0 (0: no profile)")
     if cfg.logging.profile_steps < 1:
         bad(f"logging.profile_steps={cfg.logging.profile_steps} must be at least 1")
-    for key, value in (("data.dir", d.dir), ("checkpoint.dir", cfg.checkpoint.dir),
-                       ("checkpoint.resume", cfg.checkpoint.resume), ("checkpoint.init_from", cfg.checkpoint.init_from)):
+    c = cfg.checkpoint
+    for key, value, other in (("data.dir", d.dir, ""), ("checkpoint.dir", c.dir, ""),
+                              ("checkpoint.resume", c.resume, " (or auto, or none)"),
+                              ("checkpoint.init_from", c.init_from, " (or null)")):
         if value is not None and not value.strip():  # the working directory, whatever it holds
-            bad(f"{key} is empty: give a path" + (" (or auto, or none)" if key == "checkpoint.resume" else
-                                                   " (or null)" if key == "checkpoint.init_from" else ""))
+            bad(f"{key} is empty: give a path{other}")
     if cfg.logging.dir is not None and not cfg.logging.dir.strip():
         bad("logging.dir is empty: give a directory, or null for checkpoint.dir")
     if cfg.logging.peak_flops is not None and not 0 <= cfg.logging.peak_flops < math.inf:
