@@ -604,7 +604,6 @@ def test_a_probe_left_by_a_killed_run_is_removed_under_the_lock(tmp_path):
     """Start-up probes of a run killed during its start are cleaned up, once the run directory's
     lock is held: before it, a second launch could delete a live run's probe (its other
     processes then refused the directory as not shared). Refused, a launch removes nothing."""
-
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / ".shared-probe-0123abcd").write_text("{}")
@@ -883,7 +882,6 @@ def test_a_failed_dcp_save_is_said_by_its_first_failing_process(tmp_path):
 
 
 # -- what mutation testing of checkpoint.py found unpinned ---------------------------------------
-
 
 def _ckpt(step):
     return {"format_version": FORMAT_VERSION, "model": {"w": torch.full((2,), float(step))}, "step": step}
