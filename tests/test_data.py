@@ -30,7 +30,7 @@ def make_data(d: Path, shards, vocab=100, dtype="uint16", meta_tokens=None, spli
     return d
 
 
-# -- TokenWindows: what a shard is checked against (D13, D14) -------------------------------------
+# -- TokenWindows: what a shard is checked against -------------------------------------------------
 
 def test_a_shard_whose_length_differs_from_meta_json_is_refused(tmp_path):
     """A valid .npy of the right dtype but another token count than meta.json records (a shard
@@ -48,7 +48,7 @@ def test_a_shard_of_a_signed_dtype_of_the_same_width_is_refused(tmp_path):
         TokenWindows(d, "train", 4)
 
 
-# -- check_ids / eval_batches (D12, D09) -----------------------------------------------------------
+# -- check_ids / eval_batches ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("pos, sample", [(4, 0), (12, 2)])
 def test_check_ids_sees_the_last_token_of_a_window(tmp_path, pos, sample):
@@ -74,7 +74,7 @@ def test_eval_batches_check_each_replicas_own_samples(tmp_path):
         list(eval_batches(ds, 1, 2, 2, 1))
 
 
-# -- the shard cache is least recently used (D16) ---------------------------------------------------
+# -- the shard cache is least recently used --------------------------------------------------------
 
 def test_the_shard_cache_closes_the_least_recently_used_map(tmp_path, monkeypatch):
     monkeypatch.setattr(data_mod, "OPEN_SHARDS", 2)
@@ -85,7 +85,7 @@ def test_the_shard_cache_closes_the_least_recently_used_map(tmp_path, monkeypatc
     assert list(ds._maps) == [0, 2]
 
 
-# -- the sampler's length is what it yields (D17) ---------------------------------------------------
+# -- the sampler's length is what it yields --------------------------------------------------------
 
 @pytest.mark.parametrize("n, replicas", [(50, 1), (50, 3), (51, 4), (7, 2)])
 def test_sampler_len_is_the_number_of_indices_it_yields(n, replicas):
@@ -100,7 +100,7 @@ def test_sampler_len_is_the_number_of_indices_it_yields(n, replicas):
             assert len(s) == len(list(s)), (rank, start)
 
 
-# -- data_fingerprint: what is, and is not, the data's identity (D22, D23, D24) ---------------------
+# -- data_fingerprint: what is, and is not, the data's identity ------------------------------------
 
 META = {"format_version": 1, "vocab_size": 512, "dtype": "uint16", "eos_id": 0, "bos_id": None, "pad_id": None,
         "tokenizer_file": "tokenizer.json", "tokenizer_sha256": "a" * 64,
@@ -126,7 +126,7 @@ def test_paths_commands_and_key_order_leave_the_fingerprint_as_it_is():
     assert data_fingerprint(reordered) == data_fingerprint(META)
 
 
-# -- the tokenizer and data-change checks (D25-D29) --------------------------------------------------
+# -- the tokenizer and data-change checks ----------------------------------------------------------
 
 def test_data_change_warning_only_when_the_fingerprint_differs(tmp_path):
     ckpt = {"data": {"fingerprint": data_fingerprint(META)}}
@@ -162,7 +162,7 @@ def test_tokenizer_difference_and_the_unverified_warning(tmp_path):
     assert "may not be the model's" in unverified_tokenizer_warning(old, tmp_path)
 
 
-# -- a shard's byte order is the one its header says (D33) -----------------------------------------
+# -- a shard's byte order is the one its header says -----------------------------------------------
 
 def test_a_big_endian_shard_reads_as_its_values(tmp_path):
     """np.load names '>u2' uint16 too, so meta.json's check passes: the windows must then be
