@@ -199,7 +199,8 @@ def test_xla_launch_and_end_decisions(tmp_path, stdlib_data):
     assert r.returncode == 2, r.stderr[-3000:]
     assert "xla.mode=ddp: each process here has 4 CPU devices" in r.stderr and "Traceback" not in r.stderr
     r = run(["train_xla.py", str(tiny_config(tmp_path, stdlib_data)), "training.max_steps=3",
-             "training.learning_rate=1e30", "training.warmup_steps=0", "training.max_nonfinite_steps=2",
+             "training.learning_rate=1e30", "training.weight_decay=0", "training.warmup_steps=0",
+             "training.max_nonfinite_steps=2",
              "evaluation.interval=0", "checkpoint.interval=0", "logging.interval=1"])
     assert r.returncode == 3 and "NaN/Inf for 2 steps in a row" in r.stderr, r.stderr[-3000:]
     assert "non-finite loss" in r.stderr and "done:" not in r.stderr
