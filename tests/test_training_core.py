@@ -1838,3 +1838,49 @@ def test_a_log_line_reports_training_throughput_step_time_and_mfu(monkeypatch):
     assert rec["tokens_per_sec"] == pytest.approx(256.0)
     assert rec["mfu"] == pytest.approx(256.0 * 1e9 / (4 * 1e12))
     assert (fake.last_log_time, fake.last_log_step) == (1100.0, 15)
+
+
+def test_replica_averaged_counters_are_whole_numbers_again_at_a_log_line(monkeypatch):
+    """The skipped-step counters reach a log line averaged over the replicas, on XLA as a sum
+    times float32(1/n): k equal counters over n = 244 processes come back as k - 1 ulp
+    (3 -> 2.9999998). The line rounds them: a streak of 3 stops the run at max_nonfinite_steps 3
+    and the run's total of skipped steps counts 3, where truncation said 2 and never stopped."""
+    from training import loop
+    n = 244
+    averaged = (torch.tensor(3.0 * n) * torch.tensor(1.0 / n)).item()   # xm.all_reduce's scale
+    assert averaged < 3.0
+    fake, logged = _fake_trainer(monkeypatch, 1100.0, last_time=1000.0, last_step=10, tokens_per_step=4096,
+                                 flops_per_token=1e9, peak=None, n_devices=n)
+    loop.Trainer.log(fake, [float("nan"), float("nan"), averaged, averaged],
+                     ["loss", "grad_norm", "_skipped", "_worst_streak"], step=13, lr=1e-3, paused_s=0.0)
+    (_, rec), = logged
+    assert fake.stop_nonfinite and rec["nonfinite_skipped"] == 3 and fake.state.nonfinite_total == 3
+
+
+def test_an_infinite_validation_loss_has_an_infinite_perplexity(monkeypatch):
+    """eval_ppl = exp(eval_loss), as large as a float goes, and inf past it (not exp(50), which
+    made a diverged evaluation read as perplexity 5e21)."""
+    from training import loop
+    for eval_loss, ppl in ((2.0, math.exp(2.0)), (600.0, math.exp(600.0)), (float("inf"), math.inf)):
+        fake, logged = _fake_trainer(monkeypatch, 1100.0, last_time=1000.0, last_step=10, tokens_per_step=4096,
+                                     flops_per_token=1e9, peak=None, n_devices=1)
+        loop.Trainer.log(fake, [2.5, 0.7, 0.0, 0.0, eval_loss],
+                         ["loss", "grad_norm", "_skipped", "_worst_streak", "eval_loss"], step=15, lr=1e-3,
+                         paused_s=0.0)
+        (_, rec), = logged
+        assert rec["eval_ppl"] == ppl
+
+
+def test_a_resumed_run_keeps_the_metrics_lines_up_to_its_step_and_drops_what_is_no_record(tmp_path):
+    """Resuming at step 2: metrics.jsonl keeps the records of steps 1 and 2 in order, and drops
+    the later ones, a line cut by a crash and lines that are JSON but no record of ours (edited by
+    hand or written by another tool: null, a list, a step that is not a number), rewriting the file
+    in one piece; TensorBoard purges from step 3. Before, the last three were a traceback at start."""
+    from training.monitor import _continue_logs
+    lines = ['{"step": 1, "loss": 3.0}', '{"step": 2, "loss": 2.5}', "null", "[]", '{"step": "7"}',
+             '{"step": 3, "loss": 2.0}', '{"step": 4, "lo']
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines))
+    assert _continue_logs(tmp_path, 2, tensorboard=True) == 3
+    assert (tmp_path / "metrics.jsonl").read_text() == lines[0] + "\n" + lines[1] + "\n"
+    assert _continue_logs(tmp_path, 2, tensorboard=False) is None
+    assert [p.name for p in tmp_path.iterdir()] == ["metrics.jsonl"]

@@ -508,6 +508,7 @@ class Trainer:
         """Mean validation loss over the same ``evaluation.steps`` batches every time (a device
         tensor, averaged over replicas)."""
         backend, model = self.backend, self.model
+        backend.wait_host()     # a pending log line's clock is read before this pause, as at a save
         backend.wait_device()   # the step before is training time, the evaluation's work is not
         t0 = time.time()
         model.eval()
@@ -537,8 +538,10 @@ class Trainer:
         dt = max(now - self.last_log_time - paused_s, 1e-9)  # training time only
         steps = step - self.last_log_step
         self.last_log_time, self.last_log_step = now, step
-        self._count_skipped(int(values.pop("_skipped")))
-        if values.pop("_worst_streak") >= t_cfg.max_nonfinite_steps:
+        # whole numbers, averaged over replicas: XLA's all-reduce multiplies by float32(1/n), which
+        # can give k - 1 ulp (k = 5 over 244 processes: 4.9999995), so rounded, not truncated
+        self._count_skipped(round(values.pop("_skipped")))
+        if round(values.pop("_worst_streak")) >= t_cfg.max_nonfinite_steps:
             self.stop_nonfinite = True
         rec = {"loss": values.pop("loss"), "lr": lr, "grad_norm": values.pop("grad_norm"),
                "tokens_seen": self.tokens_at(step)}
@@ -550,7 +553,7 @@ class Trainer:
                               / (self.peak * self.backend.n_devices))
         if "eval_loss" in values:
             rec["eval_loss"] = values.pop("eval_loss")
-            rec["eval_ppl"] = math.exp(min(rec["eval_loss"], 50.0))
+            rec["eval_ppl"] = math.exp(rec["eval_loss"]) if rec["eval_loss"] < 700 else math.inf
         rec["nonfinite_skipped"] = state.nonfinite_total
         rec.update(values)  # model metrics (nash entropy, mHC gates, ...)
         rec.update(self.backend.log_extras())
@@ -702,6 +705,8 @@ class Trainer:
 
     def _finish(self, exit_reason: str) -> int:
         state = self.state
+        if exit_reason == "signal" and state.step >= self.max_steps:
+            exit_reason = "done"   # the stop came with the last step: the run is complete
         if exit_reason == "done" and self.should_stop() == "nonfinite":
             # the last steps' log lines ran after the loop's last decision (on XLA the host reads
             # them in an asynchronous closure): a run that diverged at its end is not "done"

@@ -167,9 +167,10 @@ def _continue_logs(run_dir: Path, start_step: int, tensorboard: bool) -> int | N
         kept = []
         for line in path.read_text().splitlines():
             try:
-                if json.loads(line).get("step", 0) <= start_step:
+                step = json.loads(line).get("step", 0)
+                if isinstance(step, int) and step <= start_step:
                     kept.append(line)
-            except ValueError:  # a line cut by a crash
+            except (ValueError, AttributeError):  # a line cut by a crash; not a record (edited by hand)
                 continue
         atomic_write_text("".join(line + "\n" for line in kept), path)
     return start_step + 1 if tensorboard else None
