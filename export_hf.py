@@ -152,7 +152,7 @@ def model_card(name: str, model, ckpt: dict, where: Path, why_remote: str | None
     step, tokens = ckpt.get("step"), ckpt.get("tokens_seen")
     llama = why_remote is None
     meta = ModelCardData(library_name="transformers", pipeline_tag="text-generation",
-                         tags=["llama"] if llama else ["nash-mhc", "custom_code"])
+                         tags=(["llama"] if llama else ["nash-mhc", "custom_code"]) + [EXPORT_TAG])
     if llama:
         kind = "A Llama-architecture transformer (the Nash-MHC toolkit's baseline: one residual stream, full causal attention)"
         load = f'AutoModelForCausalLM.from_pretrained("{name}")'
@@ -232,9 +232,26 @@ EXPORT_FILES = re.compile(r"README\.md|config\.json|generation_config\.json|mode
                           + "|".join(re.escape(name) for name in (*TOKENIZER_FILES, *REMOTE_CODE)))
 
 
+# The model card's tag that marks a directory as this script's export (as transformers' Trainer
+# tags its cards generated_from_trainer): the names of the files alone are those of any directory
+# transformers' save_pretrained writes, such as the Llama an --import read its weights from
+EXPORT_TAG = "nash-mhc-toolkit"
+
+
+def _export_tags(card: Path) -> list:
+    from huggingface_hub.repocard import metadata_load
+
+    try:
+        tags = (metadata_load(card) or {}).get("tags") if card.is_file() else None
+    except (OSError, UnicodeDecodeError, ValueError, yaml.YAMLError):
+        return []
+    return tags if isinstance(tags, list) else []
+
+
 def check_out_dir(out: Path, overwrite: bool) -> None:
-    """Before any work: OUT_DIR is new or empty, or (with --overwrite) an earlier export: nothing
-    in it but what an export writes, so replacing it deletes no one else's files."""
+    """Before any work: OUT_DIR is new or empty, or (with --overwrite) an earlier export: its model
+    card carries ``EXPORT_TAG`` and it holds nothing but what an export writes, so replacing it
+    deletes no one else's files."""
     if out.exists() and not out.is_dir():
         raise ExportError(f"{out}: exists and is not a directory")
     if out.is_dir() and any(out.iterdir()):
@@ -242,6 +259,9 @@ def check_out_dir(out: Path, overwrite: bool) -> None:
             raise ExportError(f"{out}: directory is not empty; pass --overwrite to replace an earlier export")
         if not (out / "config.json").is_file():
             raise ExportError(f"{out}: holds no config.json, so it is not an earlier export; refusing to replace it")
+        if EXPORT_TAG not in _export_tags(out / "README.md"):
+            raise ExportError(f"{out}: its README.md has no {EXPORT_TAG!r} tag, which every export of "
+                              f"{PROG} carries, so it is not an earlier export; refusing to replace it")
         for name in sorted(p.name for p in out.iterdir()):
             if not EXPORT_FILES.fullmatch(name):
                 raise ExportError(f"{out}: holds {name!r}, which an export does not write; refusing to replace it")
@@ -431,16 +451,17 @@ def export(args) -> str:
 
 
 def import_llama(args) -> str:
-    out = Path(args.paths[0])
+    # expanded here: a shell leaves the ~ of --import=~/llama as it is
+    hf_dir, out = Path(args.import_dir).expanduser(), Path(args.paths[0]).expanduser()
     if out.exists() and not args.overwrite:
         raise ExportError(f"{out}: exists; pass --overwrite to replace it")
     if out.is_dir():
         raise ExportError(f"{out}: is a directory; give a file name such as init.pt")
-    cfg, hf = load_llama(args.import_dir)
+    cfg, hf = load_llama(hf_dir)
     model = model_holding(cfg, from_llama_state_dict(hf.state_dict(), cfg))[0].eval()
     diff, scale = max_logit_difference(model, hf, probe_tokens(cfg.vocab_size, cfg.max_seq_len))
     if not diff <= TOLERANCE * max(1.0, scale):
-        raise ExportError(f"{args.import_dir}: our logits differ from transformers' by {diff:.3g} "
+        raise ExportError(f"{hf_dir}: our logits differ from transformers' by {diff:.3g} "
                           f"(max |logit| {scale:.3g}): import refused")
     del hf
     # The model section alone: the schema's defaults of the others (data.dir data/stdlib, a
@@ -452,11 +473,10 @@ def import_llama(args) -> str:
         "model": model.state_dict(),   # weights only: start a run from it with checkpoint.init_from
         "config": run_config,
         "step": 0,
-        "trainer": f"{PROG} --import {args.import_dir}",
-        **({"data": record} if (record := tokenizer_record(args.import_dir)) else {}),
+        "trainer": f"{PROG} --import {hf_dir}",
+        **({"data": record} if (record := tokenizer_record(hf_dir)) else {}),
     }, out)
     section = yaml.safe_dump({"model": run_config["model"]}, sort_keys=False).rstrip()
-    hf_dir = Path(args.import_dir)
     data = (f"prepare_data.py --tokenizer {hf_dir}" if (hf_dir / "tokenizer.json").is_file()
             else "prepare_data.py --tokenizer with this model's tokenizer")
     return (f"wrote {out}: a Nash-MHC baseline with the {model.num_params() / 1e6:.2f}M weights of "

@@ -14,6 +14,8 @@ exactly as ``NashMHC.generate`` does, so greedy decoding gives the same tokens.
 """
 from __future__ import annotations
 
+import importlib
+
 import torch
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
@@ -24,10 +26,14 @@ try:
 except ImportError:  # transformers 4.x
     from transformers import PretrainedConfig as PreTrainedConfig
 
-try:  # an exported directory: transformers imports this file from a package holding model.py
+if __package__:  # an exported directory: transformers imports this file from a package holding model.py
     from .model import ModelConfig, NashMHC
-except ImportError:  # the repository (export_hf.py)
-    from model import ModelConfig, NashMHC
+else:  # the repository (export_hf.py, the tests): model.py is a module beside this file. Not in a
+    # fallback for an ImportError, which would hide one raised inside the export's own model.py
+    # behind whatever "model" module a user's path holds; and not `from model import`, which
+    # transformers' check of a remote-code file's imports would take for a package it needs
+    _model = importlib.import_module("model")
+    ModelConfig, NashMHC = _model.ModelConfig, _model.NashMHC
 
 
 class NashMHCConfig(PreTrainedConfig):

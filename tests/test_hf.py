@@ -165,6 +165,7 @@ def check_model_card(out, remote: bool, step: int, val_loss: str | None = None):
 
     card = ModelCard.load(out / "README.md")
     assert card.data.library_name == "transformers" and card.data.pipeline_tag == "text-generation"
+    assert "nash-mhc-toolkit" in card.data.tags   # what --overwrite takes for an earlier export
     assert ("trust_remote_code=True" in card.text) == remote
     flag = ", trust_remote_code=True" if remote else ""   # AutoTokenizer reads auto_map too (it asked)
     assert f"at step {step}" in card.text and f"AutoTokenizer.from_pretrained(\"{out.name}\"{flag})" in card.text
@@ -218,6 +219,45 @@ def test_nash_mhc_exports_with_remote_code(tmp_path, stdlib_data, arch, request)
         alone = ours.generate(torch.tensor([tok(text)["input_ids"]]), 12, temperature=0)[0, -12:]
         assert until_eos(got[i, -12:].tolist(), 0) == until_eos(alone.tolist(), 0)
     assert len(tok("x = 1\n" * 60, truncation=True)["input_ids"]) == 64
+
+
+def test_a_moved_export_loads_in_a_process_that_never_saw_the_repository(tmp_path, nash_export):
+    """What a user does with an export: copy it elsewhere and load it in a fresh process, with no
+    repository on the path and a model.py of the user's own in the working directory. transformers
+    imports the export's own model.py, never the user's, and the logits are the checkpoint's; an
+    export whose model.py fails to import says so (before, the wrapper fell back to whatever
+    "model" module the path held)."""
+    import shutil
+
+    ours, out = nash_export
+    good, broken = tmp_path / "elsewhere" / "good", tmp_path / "elsewhere" / "broken"
+    shutil.copytree(out, good)
+    shutil.copytree(out, broken)
+    with open(broken / "model.py", "a") as f:
+        f.write("\nraise ImportError('the export model.py cannot import')\n")
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "model.py").write_text("raise RuntimeError('the user model.py was imported')\n")
+    x = tokens(2, 50)
+    torch.save(x, tmp_path / "x.pt")
+    script = (
+        "import sys, torch\n"
+        "from transformers import AutoModelForCausalLM\n"
+        f"try:\n    AutoModelForCausalLM.from_pretrained({str(broken)!r}, trust_remote_code=True)\n"
+        "except ImportError as e:\n    print('broken:', e)\n"
+        f"hf = AutoModelForCausalLM.from_pretrained({str(good)!r}, trust_remote_code=True).eval()\n"
+        "print('module:', type(hf.model).__module__)\n"
+        f"with torch.no_grad():\n    torch.save(hf(torch.load({str(tmp_path / 'x.pt')!r})).logits, "
+        f"{str(tmp_path / 'logits.pt')!r})\n")
+    env = {k: v for k, v in ENV.items() if k != "PYTHONPATH"}
+    env["HF_MODULES_CACHE"] = str(tmp_path / "modules")
+    r = subprocess.run([sys.executable, "-c", script], cwd=work, env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "broken: the export model.py cannot import" in r.stdout, r.stdout
+    assert "module: transformers_modules." in r.stdout, r.stdout
+    with torch.no_grad():
+        assert (torch.load(tmp_path / "logits.pt", weights_only=True) - ours(x).logits).abs().max() <= 1e-4
 
 
 def test_remote_code_model_in_transformers_workflows(tmp_path, nash_export):
@@ -476,7 +516,7 @@ def test_the_export_ships_the_tokenizer_the_model_was_trained_with(tmp_path, std
     assert not (tmp_path / "hf3").exists()
 
 
-def test_weights_from_a_hugging_face_directory_carry_its_tokenizer(tmp_path, stdlib_data, llama_dir):
+def test_weights_from_a_hugging_face_directory_carry_its_tokenizer(tmp_path, stdlib_data, llama_dir, monkeypatch):
     """checkpoint.init_from (or --import) of a directory with a tokenizer.json records its sha256,
     so data of another tokenizer is refused as for a training checkpoint (it trained on)."""
     import shutil
@@ -495,6 +535,24 @@ def test_weights_from_a_hugging_face_directory_carry_its_tokenizer(tmp_path, std
     assert export("--import", hf_dir, tmp_path / "init.pt") == 0
     ckpt = torch.load(tmp_path / "init.pt", weights_only=True)
     assert ckpt["data"] == init["data"] and len(init["data"]["tokenizer_sha256"]) == 64
+    # --import=~/llama: the shell leaves that ~ alone; the tokenizer is found all the same
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert export(f"--import=~/{hf_dir.name}", "~/init2.pt") == 0
+    assert torch.load(tmp_path / "init2.pt", weights_only=True)["data"] == init["data"]
+
+
+def test_overwrite_never_replaces_a_model_directory_transformers_wrote(tmp_path, stdlib_data, llama_dir, capsys):
+    """--overwrite replaces an earlier export only. A directory save_pretrained wrote (the Llama
+    an import read, with a Hub model card) holds only names an export writes too; it is refused by
+    its card, which lacks the tag every export's card carries, and nothing in it changes."""
+    hf_dir, _ = llama_dir
+    (hf_dir / "README.md").write_text("---\nlibrary_name: transformers\ntags:\n- llama\n---\n\n# mine\n")
+    before = {p.name: p.read_bytes() for p in hf_dir.iterdir()}
+    make_run(tmp_path / "run", stdlib_data, **BASELINE)
+    assert export(tmp_path / "run" / "ckpt_00000007.pt", hf_dir, "--overwrite") == 2
+    assert "README.md has no 'nash-mhc-toolkit' tag" in one_error_line(capsys.readouterr().err)
+    assert {p.name: p.read_bytes() for p in hf_dir.iterdir()} == before
+    assert not list(tmp_path.glob(".llama*"))
 
 
 @pytest.mark.parametrize("tokenizer_class", ["PreTrainedTokenizerFast", "LlamaTokenizerFast"])
@@ -642,7 +700,7 @@ def llama_dir(tmp_path):
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                      rms_norm_eps=1e-5, tie_word_embeddings=False, initializer_range=0.1,
+                      rms_norm_eps=1e-6, tie_word_embeddings=False, initializer_range=0.1,
                       rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
                       bos_token_id=0, eos_token_id=0)
     hf = LlamaForCausalLM(cfg).eval()
@@ -677,6 +735,7 @@ def test_import_llama_then_train_and_resume(tmp_path, stdlib_data, llama_dir, ca
         assert torch.equal(ckpt["model"][ours_name], hf_sd[hf_name]), ours_name
     model_section = yaml.safe_load(printed[printed.index("model:"):])["model"]
     assert model_section == ckpt["config"]["model"] and model_section["rope_theta"] == 500000.0
+    assert (model_section["norm_eps"], model_section["max_seq_len"]) == (1e-6, 64)   # not the defaults
     # the model section alone: the schema's defaults for the rest (data.dir data/stdlib, a learning
     # rate) made sample.py and an export take whatever tokenizer data/stdlib held, and the card
     # describe a training that never was
@@ -685,6 +744,8 @@ def test_import_llama_then_train_and_resume(tmp_path, stdlib_data, llama_dir, ca
     assert one_error_line(capsys.readouterr().err).endswith(f"{init}: no data.dir in the stored config; "
                                                             "pass --tokenizer DIR")
     assert export(init, tmp_path / "exported", "--tokenizer", stdlib_data) == 0
+    exported = json.loads((tmp_path / "exported" / "config.json").read_text())
+    assert (exported["rms_norm_eps"], exported["max_position_embeddings"]) == (1e-6, 64)
     card = (tmp_path / "exported" / "README.md").read_text()
     assert f"- none by this toolkit: the weights of `export_hf.py --import {hf_dir}`" in card
     assert "learning rate" not in card
