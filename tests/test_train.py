@@ -584,7 +584,7 @@ def _train_poisoned(tmp_path, stdlib_data, monkeypatch, poison, **over):
 
 
 def test_nonfinite_steps_are_skipped_then_the_run_stops(tmp_path, stdlib_data, monkeypatch):
-    """Losses that turn NaN after step 4: updates skipped, last good weights saved, exit 3."""
+    """Losses that turn NaN after step 4: updates skipped, step 4's weights saved, exit 3."""
     from training import loop
     from training.backend import TorchBackend
     from training.config import load_config
@@ -613,6 +613,34 @@ def test_nonfinite_steps_are_skipped_then_the_run_stops(tmp_path, stdlib_data, m
     assert ck["model"].keys() == ref["model"].keys()
     for k, v in ck["model"].items():
         assert torch.equal(v, ref["model"][k]), k
+
+
+def test_weights_an_update_made_nan_are_not_saved_at_the_non_finite_stop(tmp_path, stdlib_data, monkeypatch,
+                                                                          capsys):
+    """An update that made the weights Inf from finite gradients (an overflow): every later loss is
+    NaN and the run stops, as it should. Saved, those weights would have replaced (by rotation) a
+    checkpoint worth resuming from, under a line that said it held "the last good weights". Nothing
+    is saved, and the line says why and what to do."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    updates = []
+
+    def overflow_at_5(optimizer, args, kwargs):   # step 5's update, as if it had overflowed
+        updates.append(1)
+        if len(updates) == 5:
+            with torch.no_grad():
+                optimizer.param_groups[0]["params"][0].fill_(float("inf"))
+
+    hook = register_optimizer_step_post_hook(overflow_at_5)
+    try:
+        code = _train_poisoned(tmp_path, stdlib_data, monkeypatch, lambda model, out, n: out,
+                               **{"training.max_nonfinite_steps": 2})
+    finally:
+        hook.remove()
+    err = capsys.readouterr().err
+    assert code == 3 and "the weights themselves are NaN/Inf" in err and "nothing was saved" in err, err[-3000:]
+    assert [r["nonfinite_skipped"] for r in metrics(tmp_path / "run")] == [0, 0, 0, 0, 0, 1, 2]
+    assert not list((tmp_path / "run").glob("ckpt_*"))
 
 
 def test_scattered_nonfinite_steps_do_not_stop_the_run(tmp_path, stdlib_data, monkeypatch):
@@ -1238,6 +1266,19 @@ def test_a_save_between_log_steps_counts_the_steps_skipped_since_the_last_log(tm
     r = run(["train.py", str(cfg), "training.max_steps=6"])
     assert r.returncode == 0 and "resumed from" in r.stderr, r.stderr[-3000:]
     assert [(m["step"], m["nonfinite_skipped"]) for m in metrics(tmp_path / "run")][-1] == (6, 1)
+
+
+def test_a_stop_signal_with_the_last_step_ends_a_complete_run(tmp_path, stdlib_data):
+    """SIGTERM as the last step starts: that step runs and the run is complete, so it ends as done
+    (the final save, the "done" line with the validation loss), not as stopped (before: a save for
+    the signal and "resume with the same command", which then said the run was done)."""
+    cfg = tiny_config(tmp_path, stdlib_data, **{"training.max_steps": 4, "checkpoint.interval": 0})
+    r = run_patched(tmp_path, sigterm_during_step(4), ["train.py", str(cfg)])
+    assert r.returncode == 0 and "SIGTERM received" in r.stderr, r.stderr[-3000:]
+    assert "done: 4 steps" in r.stderr and "final val loss" in r.stderr, r.stderr[-3000:]
+    assert "resume with the same command" not in r.stderr and "(final;" in r.stderr, r.stderr[-3000:]
+    assert [m["step"] for m in metrics(tmp_path / "run")] == [1, 2, 3, 4]
+    assert sorted(p.name for p in (tmp_path / "run").glob("ckpt_*")) == ["ckpt_00000004.pt"]
 
 
 def test_a_token_budget_resumed_with_another_batch_keeps_its_budget_and_its_schedule(tmp_path, stdlib_data):

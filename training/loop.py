@@ -703,6 +703,13 @@ class Trainer:
         else:
             self.save(reason, wait=True)
 
+    def _weights_finite(self) -> bool:
+        """Are the model's weights finite on every process (each process checks its own shards)?
+        One device-to-host transfer and one host-side agreement, at a non-finite stop only."""
+        shards = [p.detach().to_local() if hasattr(p, "to_local") else p.detach() for p in self.params]
+        bad = torch.stack([~torch.isfinite(t).all() for t in shards]).any()
+        return not self.backend.any_process(bool(bad.cpu()))
+
     def _finish(self, exit_reason: str) -> int:
         state = self.state
         if exit_reason == "signal" and state.step >= self.max_steps:
@@ -712,12 +719,18 @@ class Trainer:
             # them in an asynchronous closure): a run that diverged at its end is not "done"
             exit_reason = "nonfinite"
         if exit_reason == "nonfinite":
-            self._save_last("non-finite loss")
-            self.log_line(
-                f"error: the loss or gradient was NaN/Inf for {self.cfg.training.max_nonfinite_steps} "
-                f"steps in a row (step {state.step}); updates were skipped, so the checkpoint holds "
-                "the last good weights. Lower training.learning_rate, check the data, or use "
-                "precision=fp32.")
+            what = (f"error: the loss or gradient was NaN/Inf for {self.cfg.training.max_nonfinite_steps} "
+                    f"steps in a row (step {state.step})")
+            if self._weights_finite():
+                self._save_last("non-finite loss")
+                self.log_line(f"{what}; updates were skipped from the first of them, so the checkpoint "
+                              "holds the weights that step saw. Lower training.learning_rate, check "
+                              "the data, or use precision=fp32.")
+            else:  # saved, they would replace a checkpoint that can be resumed from (rotation)
+                self.log_line(f"{what}, and the weights themselves are NaN/Inf (an update overflowed "
+                              "them): nothing was saved. Resume from a checkpoint of a step before the "
+                              "loss stopped being finite (metrics.jsonl) with a lower "
+                              "training.learning_rate.")
             self.backend.finish(self.log_dir, self.log_line)
             return 3
         self._save_last("signal" if exit_reason == "signal" else "final")
