@@ -9,9 +9,13 @@ batch_size is per process here (in train_xla.py's spmd mode, the 3B config's, it
 
 The XLA twin is train_xla.py: the same config, data, loop and checkpoints (see training/).
 """
+import os
 import sys
 
+import torch.distributed as dist
+
 from training.backend import TorchBackend
+from training.checkpoint import first_line
 from training.launch import under_torchrun
 from training.loop import main, train
 
@@ -21,6 +25,11 @@ def run(cfg) -> int:
         backend = TorchBackend(cfg.training.device, fsdp=cfg.training.fsdp, timeout_s=cfg.training.dist_timeout_s)
     except ValueError as e:
         print(f"train.py: error: {e}", file=sys.stderr)
+        return 2
+    except dist.DistError as e:  # the rendezvous: an address that does not resolve, a port in use
+        where = ", ".join(f"{k}={os.environ[k]}" for k in ("MASTER_ADDR", "MASTER_PORT") if k in os.environ)
+        print(f"train.py: error: the processes could not form their group ({where}): {first_line(e)}",
+              file=sys.stderr)
         return 2
     try:
         # With its host group, before the model: the data, config and check_data's verdict of

@@ -787,6 +787,72 @@ def test_gpu_choice_under_torchrun(monkeypatch, want, distributed, gpus, error):
         assert str(e.value).startswith(f"training.device={want!r}")
 
 
+@pytest.mark.parametrize("env, error", [
+    ({"RANK": "x", "WORLD_SIZE": "2"}, "RANK='x' in the environment: expected a whole number >= 0"),
+    ({"RANK": "0", "WORLD_SIZE": "-2"}, "WORLD_SIZE='-2' in the environment"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "one"}, "LOCAL_RANK='one' in the environment"),
+    ({"RANK": "2", "WORLD_SIZE": "2"}, "RANK=2, WORLD_SIZE=2 in the environment: a rank is one of"),
+    ({"RANK": "0", "WORLD_SIZE": "0"}, "RANK=0, WORLD_SIZE=0 in the environment"),
+])
+def test_a_launcher_environment_that_names_no_process_is_one_line_naming_the_variable(monkeypatch, env, error):
+    """RANK, WORLD_SIZE and LOCAL_RANK from a launcher other than torchrun (srun, mpirun, a script):
+    a value that is not a process of the job was int()'s message without the variable's name, or
+    (a rank past the world size) a process group that waited for a process that never comes."""
+    from training.backend import TorchBackend
+
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ValueError, match=re.escape(error)):
+        TorchBackend("cpu")
+
+
+def test_a_device_a_launcher_cannot_place_is_one_line(monkeypatch):
+    """Several processes on a GPU machine whose launcher set no LOCAL_RANK (torchrun sets it; srun
+    does not) all took GPU 0; several on MPS, whose tensors gloo cannot carry, failed deep in DDP."""
+    from training.backend import TorchBackend, launch_env
+
+    for key, value in {"RANK": "1", "WORLD_SIZE": "8", "MASTER_ADDR": "127.0.0.1"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert launch_env() == (1, 8, None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    b = TorchBackend.__new__(TorchBackend)  # the device choice alone: no process group, no GPU
+    b.distributed, (_, b.world_size, b.local_rank) = True, launch_env()
+    with pytest.raises(ValueError, match="set RANK and WORLD_SIZE but not LOCAL_RANK"):
+        b._pick_device("cuda")
+    assert b._pick_device("cpu").type == "cpu"
+    with pytest.raises(ValueError, match="gloo carries no MPS tensors"):
+        b._pick_device("mps")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    assert launch_env() == (0, 1, 0)   # one process: GPU 0 (or training.device's)
+
+
+def test_a_rendezvous_that_fails_is_one_line_naming_the_address(tmp_path, stdlib_data):
+    """train.py as rank 0 of 2 whose MASTER_PORT another program holds: torch's DistNetworkError
+    was a traceback; now one line with the address, exit 2."""
+    import socket
+
+    from helpers import ENV, ROOT, tiny_config
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        env = {**ENV, "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port)}
+        r = subprocess.run([sys.executable, "train.py", str(tiny_config(tmp_path, stdlib_data)),
+                            "training.dist_timeout_s=30"], cwd=ROOT, env=env, capture_output=True,
+                           text=True, timeout=300)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    line, = [ln for ln in r.stderr.splitlines() if "error" in ln]
+    assert line.startswith(f"train.py: error: the processes could not form their group (MASTER_ADDR=127.0.0.1, "
+                           f"MASTER_PORT={port}): "), line
+
+
 # -- optimisers ------------------------------------------------------------------------------
 
 def _params(seed=0, scale=1.0):

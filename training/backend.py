@@ -380,6 +380,29 @@ def _to_cpu(obj):
     return obj
 
 
+def launch_env() -> tuple[int, int, int | None]:
+    """``(RANK, WORLD_SIZE, LOCAL_RANK)`` as torchrun sets them (LOCAL_RANK None where a launcher
+    left it out), or a ValueError naming the variable that is not a usable value."""
+    def number(name: str) -> int | None:
+        value = os.environ.get(name)
+        if value is None:
+            return None
+        try:
+            n = int(value)
+        except ValueError:
+            n = -1
+        if n < 0:
+            raise ValueError(f"{name}={value!r} in the environment: expected a whole number >= 0 "
+                             "(torchrun sets it)")
+        return n
+
+    rank, world, local = number("RANK"), number("WORLD_SIZE"), number("LOCAL_RANK")
+    if world < 1 or rank >= world:
+        raise ValueError(f"RANK={rank}, WORLD_SIZE={world} in the environment: a rank is one of "
+                         "0 .. WORLD_SIZE - 1 (torchrun sets both)")
+    return rank, world, (local if local is not None or world > 1 else 0)
+
+
 class TorchBackend(Backend):
     """One CUDA/MPS/CPU device, or one process of a ``torchrun`` job (nccl on GPU, gloo on CPU):
     DDP, or FSDP2 with ``fsdp=True`` (``fully_shard`` per block and at the root: parameters,
@@ -390,9 +413,7 @@ class TorchBackend(Backend):
     def __init__(self, device: str = "auto", fsdp: bool = False, timeout_s: float | None = None):
         self.distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ
         if self.distributed:
-            self.rank = int(os.environ["RANK"])
-            self.world_size = int(os.environ["WORLD_SIZE"])
-            self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
+            self.rank, self.world_size, self.local_rank = launch_env()
         else:
             self.rank, self.world_size, self.local_rank = 0, 1, 0
         self.is_master = self.rank == 0
@@ -403,13 +424,18 @@ class TorchBackend(Backend):
             torch.cuda.set_device(self.device)
         if self.distributed:
             backend = "nccl" if self.device.type == "cuda" else "gloo"
-            if not dist.is_initialized():  # a caller (a test, a notebook) may have made it
+            made = not dist.is_initialized()  # a caller (a test, a notebook) may have made it
+            if made:
                 dist.init_process_group(backend=backend, rank=self.rank, world_size=self.world_size,
                                         device_id=self.device if self.device.type == "cuda" else None,
                                         timeout=group_timeout(timeout_s))
-            # Host-side groups: decisions in the loop's thread, checkpoint I/O in the writer's.
-            self.host = HostGroup(new_gloo_group(timeout_s))
-            self.ckpt_group = new_gloo_group(timeout_s)
+            try:  # host-side groups: decisions in the loop's thread, checkpoint I/O in the writer's
+                self.host = HostGroup(new_gloo_group(timeout_s))
+                self.ckpt_group = new_gloo_group(timeout_s)
+            except BaseException:
+                if made:   # no backend is returned to shut it down
+                    dist.destroy_process_group()
+                raise
         self.fsdp = fsdp and self.distributed and self.world_size > 1
         if fsdp and not self.fsdp:
             print("warning: training.fsdp shards over torchrun processes; with one process the "
@@ -441,6 +467,11 @@ class TorchBackend(Backend):
                                  "would put them all on one GPU: use cuda (each process takes the GPU of "
                                  "its LOCAL_RANK)")
             if dev.index is None:
+                if self.local_rank is None:
+                    raise ValueError(f"training.device={want!r} under a launcher of {self.world_size} "
+                                     "processes that set RANK and WORLD_SIZE but not LOCAL_RANK, which "
+                                     "picks each process's GPU: set it (torchrun does; under Slurm, "
+                                     "LOCAL_RANK=$SLURM_LOCALID)")
                 dev = torch.device("cuda", self.local_rank)
             if dev.index >= torch.cuda.device_count():
                 raise ValueError(
@@ -450,6 +481,9 @@ class TorchBackend(Backend):
                        f"no cuda:{dev.index}"))
         elif dev.type == "mps" and not torch.backends.mps.is_available():
             raise ValueError(f"training.device={want!r}: MPS is not available on this machine")
+        elif dev.type == "mps" and self.distributed and self.world_size > 1:
+            raise ValueError(f"training.device={want!r} under torchrun with {self.world_size} processes: "
+                             "gloo carries no MPS tensors; one process trains on MPS, several on cpu")
         elif dev.type not in ("cpu", "cuda", "mps"):
             raise ValueError(f"training.device={want!r}: expected auto, cuda, cuda:N, mps or cpu")
         return dev
