@@ -206,9 +206,41 @@ def test_xla_launch_and_end_decisions(tmp_path, stdlib_data):
     assert "non-finite loss" in r.stderr and "done:" not in r.stderr
 
 
-@pytest.mark.parametrize("first, second", [("train_xla.py", "train.py"), ("train.py", "train_xla.py")])
+# Resumed from train.py's file into an SPMD mesh, the model and both AdamW moments are loaded
+# shard by shard into the state the mesh laid out (copy_ and load_state_dict uploaded each
+# tensor whole to every device first: the whole fp32 state per chip, a 3B run's OOM)
+SHARDED_AFTER_RESUME = r"""
+import json
+import torch_xla
+import torch_xla.debug.metrics as met
+from training import checkpoint
+restore = checkpoint.Checkpointer.restore
+def specs(model, optimizer):
+    out = {}
+    for name, p in model.named_parameters():
+        out[name] = torch_xla._XLAC._get_xla_sharding_spec(p)
+        for key, value in optimizer.state[p].items():
+            out[f"{name} {key}"] = torch_xla._XLAC._get_xla_sharding_spec(value)
+    return out
+def uploaded():   # bytes sent from the host to the devices so far (torch_xla's "OutboundData")
+    data = met.metric_data("OutboundData")
+    return data[1] if data else 0
+def reporting(self, path, peeked, model, optimizer):
+    fresh, before = specs(model, optimizer), uploaded()
+    restore(self, path, peeked, model, optimizer)
+    whole = sum(t.numel() * t.element_size() for p in model.parameters()
+                for t in [p, *optimizer.state[p].values()])
+    print("SHARDING " + json.dumps([fresh, specs(model, optimizer), (uploaded() - before) / whole]), flush=True)
+checkpoint.Checkpointer.restore = reporting
+"""
+
+
+@pytest.mark.parametrize("first, second", [("train_xla.py", ["train.py"]), ("train.py", ["train_xla.py"]),
+                                           ("train.py", ["train_xla.py", "xla.mode=spmd", "xla.mesh.fsdp=4"])],
+                         ids=["xla-to-torch", "torch-to-xla", "torch-to-spmd"])
 def test_checkpoints_move_between_trainers(tmp_path, stdlib_data, first, second):
-    """Step 10 of one trainer's run, resumed by the other, continues the same curve."""
+    """Step 10 of one trainer's run, resumed by the other, continues the same curve (in an SPMD
+    mesh: each 2-D weight and its moments sharded as the mesh lays them out, none whole)."""
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir(), b.mkdir()
     over = {"checkpoint.interval": 10, "checkpoint.keep": 5}
@@ -216,9 +248,26 @@ def test_checkpoints_move_between_trainers(tmp_path, stdlib_data, first, second)
     assert r.returncode == 0, r.stderr[-3000:]
     (b / "run").mkdir()
     shutil.copy(a / "run" / "ckpt_00000010.pt", b / "run" / "ckpt_00000010.pt")
-    r = run([second, str(tiny_config(b, stdlib_data, **over))])
+    spmd = "xla.mode=spmd" in second
+    cfg = tiny_config(b, stdlib_data, **over)
+    if spmd:
+        r = run_patched(b, SHARDED_AFTER_RESUME, [second[0], cfg, *second[1:]],
+                        env={**ENV, "CPU_NUM_DEVICES": "4"})
+    else:
+        r = run([*second[:1], str(cfg), *second[1:]])
     assert r.returncode == 0 and "resumed from" in r.stderr, r.stderr[-3000:]
     close(losses(b / "run"), losses(a / "run"), 1e-3, steps=list(range(11, 21)))
+    if spmd:
+        [line] = [ln for ln in r.stdout.splitlines() if ln.startswith("SHARDING ")]
+        fresh, loaded, uploaded = json.loads(line[len("SHARDING "):])
+        same = {k: v or "{replicated}" for k, v in fresh.items()}   # unannotated: replicated once computed
+        assert {k: v or "{replicated}" for k, v in loaded.items()} == same, loaded
+        assert sum("devices=[4" in spec for key, spec in loaded.items() if key.endswith("exp_avg")) >= 10, loaded
+        # each device got its shards: 1.11x the state's bytes here (the replicated norms and gates
+        # go to all 4 devices), where whole tensors to every device and a reshard sent 5.0x
+        assert uploaded < 1.5, uploaded
+        compiles = {m["step"]: m["xla_compilations"] for m in metrics(b / "run")}
+        assert len({compiles[step] for step in range(12, 20)}) == 1, compiles   # none after warm-up
 
 
 # Prints, for every 2-D weight a DCP load reads, the largest share of it one read covers.

@@ -159,6 +159,12 @@ def test_a_host_whose_peers_never_come_stops_after_dist_timeout_s(tmp_path, stdl
     assert last.startswith(f"train_xla.py: error: the hosts' rendezvous at 127.0.0.1:{port} "
                            "(MASTER_ADDR:MASTER_PORT) failed after 3 s (")
     assert last.endswith("every host must start within training.dist_timeout_s of host 0, which must be reachable")
+    # a port that is no port: int()'s message before, without the variable's name
+    r = run_patched(tmp_path, patch, ["train_xla.py", str(cfg), "xla.mode=spmd"],
+                    env={**ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "80x"})
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert r.stderr.strip().splitlines()[-1] == ("train_xla.py: error: MASTER_PORT='80x' in the environment: "
+                                                 "expected a port number, 1 to 65535")
 
 
 @pytest.mark.xla
@@ -201,6 +207,12 @@ def test_a_compile_cache_that_cannot_be_made_is_a_warning(tmp_path, monkeypatch)
     with pytest.warns(UserWarning, match=f"xla.compile_cache={tmp_path / 'file'}: cannot create "
                                          f"{tmp_path / 'file' / 'spmd_0'} .*compiling without a persistent cache"):
         xla_backend.XLABackend._init_cache(SimpleNamespace(spmd=True), str(tmp_path / "file"))
+    # a bucket's URL: Path() made it the relative directory gs:/bucket/xla, a cache of each host's own
+    monkeypatch.chdir(tmp_path)
+    with pytest.warns(UserWarning, match="xla.compile_cache=gs://bucket/xla: a URL, where torch_xla's cache is a "
+                                         "directory .*compiling without a persistent cache"):
+        xla_backend.XLABackend._init_cache(SimpleNamespace(spmd=True), "gs://bucket/xla")
+    assert not (tmp_path / "gs:").exists()
 
 
 def test_launch_checks_refuse_in_one_line_before_compiling(tmp_path, stdlib_data):

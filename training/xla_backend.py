@@ -32,6 +32,7 @@ import functools
 import itertools
 import json
 import os
+import re
 import threading
 import warnings
 from pathlib import Path
@@ -48,6 +49,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from .backend import Backend
+from .checkpoint import optimizer_state_by_name
 from .config import ConfigError, check_xla
 from .distributed import HostGroup, group_timeout, init_gloo, new_gloo_group
 from .monitor import peak_flops_for
@@ -349,7 +351,8 @@ class SinkhornLoop:
 
     @classmethod
     def bodies(cls, eps: float) -> tuple[Callable, Callable]:
-        """The loop bodies for ``eps``: one function object each, so the scan's trace is reused."""
+        """The loop bodies for ``eps``, made once (``_scan_impl_pytree`` lowers them again at every
+        call, two per hyper-connection per step; the step's graph is compiled once all the same)."""
         if eps not in cls._bodies:
 
             def forward(q, _):                     # q [n, n, N], rows on dim 1
@@ -551,7 +554,11 @@ class XLABackend(Backend):
             return
         host = env.get("MASTER_ADDR") or (tpu_master_address(self.spmd) if xr.device_type() == "TPU"
                                           else "localhost")
-        port = int(env.get("MASTER_PORT") or 12355)
+        port_text = env.get("MASTER_PORT") or "12355"
+        if not (port_text.isdigit() and 0 < int(port_text) < 65536):
+            raise ConfigError(f"MASTER_PORT={port_text!r} in the environment: expected a port number, "
+                              "1 to 65535")
+        port = int(port_text)
         timeout = group_timeout(timeout_s) or dist.constants.default_pg_timeout   # gloo's 30 minutes
         rank, world = (xr.process_index(), xr.process_count()) if self.spmd else (self.rank, self.world_size)
         try:
@@ -572,6 +579,13 @@ class XLABackend(Backend):
             return
         # one directory per process: hosts whose cache is on shared storage never write the
         # same entries at once (a SPMD process per host, a ddp process per chip)
+        if re.match(r"[A-Za-z][A-Za-z0-9+.-]*://", cache):
+            # Path("gs://b/c") is the relative gs:/b/c: each host would cache in its own working
+            # directory while the user believed the cache shared
+            warnings.warn(f"xla.compile_cache={cache}: a URL, where torch_xla's cache is a directory "
+                          "(a local disk, or a bucket mounted with gcsfuse); compiling without a "
+                          "persistent cache")
+            return
         sub = f"spmd_{xr.process_index()}" if self.spmd else f"ordinal_{xr.global_ordinal()}"
         path = Path(cache).expanduser() / sub
         try:
@@ -800,6 +814,8 @@ class XLABackend(Backend):
         return xc.SPMDLoadPlanner() if self.spmd else None
 
     def load_full_state(self, model, optimizer, model_state, optim_state) -> None:
+        if self.spmd:
+            return self._load_full_state_by_shard(model, optimizer, model_state, optim_state)
         # copy_ into a sharded parameter keeps its sharding; the optimiser's loaded state arrives
         # as new unsharded tensors: shard it again. It must also look to the traced update as a
         # fresh run's state does, device data made on the device: torch's load_state_dict leaves
@@ -819,6 +835,58 @@ class XLABackend(Backend):
         torch_xla.sync()
         xm.wait_device_ops()
         self.prepare_optimizer(optimizer)
+
+    def _load_full_state_by_shard(self, model, optimizer, model_state, optim_state) -> None:
+        """SPMD: a whole CPU state (a file of train.py or of ddp mode) into the live model and
+        optimiser state, which are already placed and sharded: each device receives its own shard
+        of each tensor, as torch_xla's SPMDLoadPlanner loads a DCP checkpoint. ``copy_`` and
+        ``load_state_dict`` upload every tensor whole to every device first (until the next sync:
+        the whole fp32 model and both AdamW moments on each chip, where the 3B config keeps a
+        quarter of them), and the optimiser's would also be new tensors to shard again."""
+        raw = self.unwrap(model)
+        torch_xla.sync()  # the fresh state as device data, whose shards' places the loads read
+        xm.wait_device_ops()
+        live = raw.state_dict(keep_vars=True)
+        if set(live) != set(model_state):
+            raise RuntimeError(f"the checkpoint's model has other tensors than this one: missing "
+                               f"{sorted(set(live) - set(model_state))[:3]}, unexpected "
+                               f"{sorted(set(model_state) - set(live))[:3]}")
+        with torch.no_grad():
+            for name, t in live.items():
+                self._load_by_shard(t, model_state[name], name)
+            saved = optimizer_state_by_name(raw, optimizer, optim_state)["state"]
+            names = {}
+            for name, p in raw.named_parameters():  # a tied tensor under its first name
+                names.setdefault(id(p), name)
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    state, name = optimizer.state[p], names[id(p)]
+                    for key, value in saved.get(name, {}).items():
+                        if key not in state or not torch.is_tensor(value):
+                            raise RuntimeError(f"the checkpoint's optimiser keeps {key!r} for {name}, which "
+                                               "this run's does not (another training.optimizer?)")
+                        self._load_by_shard(state[key], value, f"{name} ({key})")
+        torch_xla.sync()
+        xm.wait_device_ops()
+
+    def _load_by_shard(self, dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+        """The CPU tensor ``src`` into the device tensor ``dst``, keeping its sharding: a sharded
+        ``dst`` gets each local device's shard alone (``load_local_shards_``), a replicated one
+        ``src`` whole (which it holds on every device anyway)."""
+        if src.shape != dst.shape:
+            raise RuntimeError(f"{name}: the checkpoint's is {tuple(src.shape)}, this model's {tuple(dst.shape)}")
+        src = src.to(dst.dtype)
+        if src.ndim == 0:  # a step count: computed on the device, as a fresh run's (an upload
+            dst.fill_(src.item())   # would mark it replicated, another input to the update's graph)
+            return
+        wrapped, xs = self.xs.wrap_if_sharded(dst), self.xs
+        if not isinstance(wrapped, xs.XLAShardedTensor) or wrapped.sharding_type == xs.ShardingType.REPLICATED:
+            dst.copy_(src)
+            return
+        shards = wrapped.local_shards  # this process's devices' shards, on the host (their old values)
+        for shard in shards:
+            shard.unpadded_data = src[tuple(shard.indices)]
+        wrapped.load_local_shards_(shards)
 
     def load_sharded_state(self, model, optimizer, path, param_groups, reader) -> None:
         """SPMDLoadPlanner loads each process's shards in place, into the parameters and the
