@@ -876,8 +876,8 @@ class XLABackend(Backend):
         if src.shape != dst.shape:
             raise RuntimeError(f"{name}: the checkpoint's is {tuple(src.shape)}, this model's {tuple(dst.shape)}")
         src = src.to(dst.dtype)
-        if src.ndim == 0:  # a step count: computed on the device, as a fresh run's (an upload
-            dst.fill_(src.item())   # would mark it replicated, another input to the update's graph)
+        if src.ndim == 0:  # a step count: one number, filled in on the device
+            dst.fill_(src.item())
             return
         wrapped, xs = self.xs.wrap_if_sharded(dst), self.xs
         if not isinstance(wrapped, xs.XLAShardedTensor) or wrapped.sharding_type == xs.ShardingType.REPLICATED:
