@@ -559,7 +559,9 @@ def main(argv=None) -> int:
             if section not in args.only.split(","):
                 continue
             env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(args.devices),
-                   "XLA_FLAGS": f"--xla_dump_to={tmp}/{section}/hlo --xla_dump_hlo_as_text"}
+                   # the caller's XLA flags (tests' fast compile, a user's own) and the dump
+                   "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={tmp}/{section}/hlo "
+                                "--xla_dump_hlo_as_text".strip()}
             os.makedirs(f"{tmp}/{section}")
             r = subprocess.run([sys.executable, __file__, "--xla-here", section,
                                 *(argv if argv is not None else sys.argv[1:])], env=env, capture_output=True, text=True)
