@@ -48,6 +48,20 @@ def run(args, env=None, **kw):
                           text=True, timeout=600, **kw)
 
 
+def in_process(main, args, capsys):
+    """A command line's ``main(argv)`` called in this process, for what a subprocess would tell
+    apart only by the seconds it takes to start Python and torch again: ``returncode``, ``stdout``
+    and ``stderr`` as ``subprocess.run`` gives them (argparse's exit 2, ``sys.exit("message")``'s 1
+    with the message on stderr)."""
+    import types
+    try:
+        rc, said = main([str(a) for a in args]), ""
+    except SystemExit as e:
+        rc, said = (e.code, "") if isinstance(e.code, int) or e.code is None else (1, f"{e.code}\n")
+    out = capsys.readouterr()
+    return types.SimpleNamespace(returncode=rc or 0, stdout=out.out, stderr=out.err + said)
+
+
 def script_report(script: str, *args, env: dict, timeout: float = 300) -> dict:
     """Run ``script`` (Python source) in a process of its own with this repository on its path;
     it prints its findings last, as one line ``REPORT <json>``: returned as a dict."""

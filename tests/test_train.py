@@ -11,13 +11,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import (ENV, ROOT, losses, metrics, patched_env, patched_script, run, run_patched, sigterm_during_step,
-                     tiny_config, wait_for_a_signal_at_step, wait_for_file)
+from helpers import (ENV, ROOT, in_process, losses, metrics, patched_env, patched_script, run, run_patched,
+                     sigterm_during_step, tiny_config, wait_for_a_signal_at_step, wait_for_file)
 from training.checkpoint import list_checkpoints
 from training.data import data_fingerprint
 
 
-def test_trains_logs_and_checkpoints(tmp_path, stdlib_data):
+def test_trains_logs_and_checkpoints(tmp_path, stdlib_data, capsys, monkeypatch):
+    """train.py's run, then sample.py on its checkpoints: the first and the ASCII-console runs as
+    a user's command lines, the many others in this process (``in_process``)."""
+    import sample
+    from model import NashMHC
+    sample_cli = lambda args: in_process(sample.main, args, capsys)  # noqa: E731
     cfg = tiny_config(tmp_path, stdlib_data)
     r = run(["train.py", str(cfg)])
     assert r.returncode == 0, r.stderr[-3000:]
@@ -46,33 +51,33 @@ def test_trains_logs_and_checkpoints(tmp_path, stdlib_data):
     r = run(["sample.py", str(tmp_path / "run"), "--prompt", "# é", "--max-new-tokens", "2", "--num-samples", "1"],
             env={**ENV, "PYTHONIOENCODING": "ascii"})
     assert r.returncode == 0 and "\n# \\xe9" in r.stdout, r.stderr[-2000:]
-    r = run(["sample.py", str(tmp_path / "nothing-here")])
+    r = sample_cli([str(tmp_path / "nothing-here")])
     assert r.returncode == 2 and "Traceback" not in r.stderr and "nothing-here" in r.stderr
     # temperature 0 is greedy: every sample is the same continuation
-    r = run(["sample.py", str(tmp_path / "run"), "--temperature", "0", "--top-k", "0", "--max-new-tokens", "8"])
+    r = sample_cli([str(tmp_path / "run"), "--temperature", "0", "--top-k", "0", "--max-new-tokens", "8"])
     assert r.returncode == 0, r.stderr[-2000:]
     first, second = r.stdout.split("----- sample 2 -----")
     assert first.split("\n", 1)[1] == second.split("\n", 1)[1]
     # --top-k 1 samples among one token: the greedy continuation at any temperature (and
     # without the k, temperature 1.5 gives another: the check can tell them apart)
     greedy = r.stdout
-    hot = ["sample.py", str(tmp_path / "run"), "--temperature", "1.5", "--max-new-tokens", "8"]
-    assert run(hot + ["--top-k", "1"]).stdout == greedy
-    assert run(hot + ["--top-k", "0"]).stdout != greedy
+    hot = [str(tmp_path / "run"), "--temperature", "1.5", "--max-new-tokens", "8"]
+    assert sample_cli(hot + ["--top-k", "1"]).stdout == greedy
+    assert sample_cli(hot + ["--top-k", "0"]).stdout != greedy
     for flag, value, said in (("--top-k", "-5", "must be at least"), ("--num-samples", "0", "must be at least"),
                               ("--temperature", "inf", "must be finite in fp32"),
                               ("--temperature", "1e39", "must be finite in fp32")):
-        r = run(["sample.py", str(tmp_path / "run"), flag, value])
+        r = sample_cli([str(tmp_path / "run"), flag, value])
         assert r.returncode == 2 and "Traceback" not in r.stderr and f"{flag} {said}" in r.stderr, r.stderr
     bad_tok = tmp_path / "bad.json"
     bad_tok.write_text("{not json")
     for args, said in ((["--device", "gpu"], "--device gpu: expected cpu, cuda, cuda:N or mps"),
                        (["--device", "cuda:7"], "--device cuda:7: no such CUDA device here"),
                        (["--tokenizer", str(bad_tok)], f"{bad_tok}: not a tokenizers JSON file")):
-        r = run(["sample.py", str(tmp_path / "run"), *args])
+        r = sample_cli([str(tmp_path / "run"), *args])
         assert r.returncode == 2 and "Traceback" not in r.stderr and said in r.stderr, (args, r.stderr[-2000:])
     # --tokenizer takes a directory holding tokenizer.json (a data directory, an HF export)
-    r = run(["sample.py", str(tmp_path / "run"), "--tokenizer", str(stdlib_data), "--max-new-tokens", "4"])
+    r = sample_cli([str(tmp_path / "run"), "--tokenizer", str(stdlib_data), "--max-new-tokens", "4"])
     assert r.returncode == 0 and r.stdout.count("----- sample") == 2, r.stderr[-2000:]
     # one line, not a traceback: a prompt that is not UTF-8, a tokenizer with more ids than the
     # model has rows, weights that do not fit the stored config
@@ -86,27 +91,27 @@ def test_trains_logs_and_checkpoints(tmp_path, stdlib_data):
     for args, said in ((["--prompt", "caf\udce9"], "--prompt: not valid UTF-8 text"),
                        (["--tokenizer", str(tmp_path / "big.json")], "but the model has 512 rows"),
                        ([], "weights and stored config disagree")):
-        r = run(["sample.py", str(tmp_path / ("odd.pt" if not args else "run")), *args])
+        r = sample_cli([str(tmp_path / ("odd.pt" if not args else "run")), *args])
         assert r.returncode == 2 and "Traceback" not in r.stderr and said in r.stderr, (args, r.stderr[-2000:])
     # a sample ends at <|endoftext|> (the end of a document), as transformers' generate ends an
     # exported model's; --ignore-eos prints on (generate patched to emit one mid-way)
     eos = big.token_to_id("<|endoftext|>")
-    patch = ("import torch\nfrom model import NashMHC\nNashMHC.generate = lambda self, idx, n, **kw: "
-             f"torch.cat([idx, torch.tensor([[65, {eos}, 66, 67]] * len(idx))], 1)\n")
+    monkeypatch.setattr(NashMHC, "generate", lambda self, idx, n, **kw: torch.cat(
+        [idx, torch.tensor([[65, eos, 66, 67]] * len(idx))], 1))
     prompt = big.encode("def ").ids
     for extra, tail in (([], [65, eos]), (["--ignore-eos"], [65, eos, 66, 67])):
-        r = run_patched(tmp_path, patch, ["sample.py", tmp_path / "run", "--prompt", "def ", *extra])
+        r = sample_cli([tmp_path / "run", "--prompt", "def ", *extra])
         assert r.returncode == 0, r.stderr[-2000:]
         want = big.decode(prompt + tail, skip_special_tokens=False)
         assert r.stdout.split("----- sample 2 -----\n")[1] == want + "\n", (r.stdout, want)
     # the prompt is encoded as prepare_data.py encodes a document: a literal "<|endoftext|>" in it
     # is text, as in every training document, not the end-of-text id
-    patch = ("import sys\nfrom model import NashMHC\ndef generate(self, idx, n, **kw):\n"
-             "    print('PROMPT', *idx[0].tolist(), file=sys.stderr)\n    return idx\nNashMHC.generate = generate\n")
+    prompts = []
+    monkeypatch.setattr(NashMHC, "generate", lambda self, idx, n, **kw: prompts.append(idx[0].tolist()) or idx)
     text = "x = '<|endoftext|>'\n"
-    r = run_patched(tmp_path, patch, ["sample.py", tmp_path / "run", "--prompt", text, "--num-samples", "1"])
+    r = sample_cli([tmp_path / "run", "--prompt", text, "--num-samples", "1"])
     assert r.returncode == 0, r.stderr[-2000:]
-    got = [int(i) for i in r.stderr.split("PROMPT ", 1)[1].split("\n", 1)[0].split()]
+    got, = prompts
     as_text = Tokenizer.from_file(str(stdlib_data / "tokenizer.json"))
     as_text.encode_special_tokens = True
     assert got == as_text.encode(text, add_special_tokens=False).ids and eos not in got
@@ -117,9 +122,10 @@ def test_trains_logs_and_checkpoints(tmp_path, stdlib_data):
     (imported / "tokenizer.json").write_bytes((stdlib_data / "tokenizer.json").read_bytes())
     (imported / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|pad|>"}))
     pad = big.token_to_id("<|pad|>")
-    patch = ("import torch\nfrom model import NashMHC\nNashMHC.generate = lambda self, idx, n, **kw: "
-             f"torch.cat([idx, torch.tensor([[65, {eos}, {pad}, 67]] * len(idx))], 1)\n")
-    r = run_patched(tmp_path, patch, ["sample.py", tmp_path / "run", "--prompt", "", "--tokenizer", imported])
+    monkeypatch.setattr(NashMHC, "generate", lambda self, idx, n, **kw: torch.cat(
+        [idx, torch.tensor([[65, eos, pad, 67]] * len(idx))], 1))
+    r = sample_cli([tmp_path / "run", "--prompt", "", "--tokenizer", imported])
+    monkeypatch.undo()
     assert r.returncode == 0, r.stderr[-2000:]
     want = big.decode([65, eos, pad], skip_special_tokens=False)  # the start token is not the prompt's
     assert r.stdout.split("----- sample 2 -----\n")[1] == want + "\n", (r.stdout, want)
@@ -130,9 +136,9 @@ def test_trains_logs_and_checkpoints(tmp_path, stdlib_data):
     atomic_torch_save(dict(ck, model=nan), tmp_path / "nan.pt")
     for args, said in (([str(tmp_path / "nan.pt")], "non-finite weights in"),
                        ([str(tmp_path / "run"), "--seed", str(2 ** 64)], "--seed must be in [0, 2**63)")):
-        r = run(["sample.py", *args, "--max-new-tokens", "2"])
+        r = sample_cli([*args, "--max-new-tokens", "2"])
         assert r.returncode == 2 and "Traceback" not in r.stderr and said in r.stderr, (args, r.stderr[-2000:])
-    r = run(["sample.py", str(tmp_path / "run"), "--prompt", "x = 1\n" * 40, "--max-new-tokens", "2"])
+    r = sample_cli([str(tmp_path / "run"), "--prompt", "x = 1\n" * 40, "--max-new-tokens", "2"])
     assert r.returncode == 0 and "; the model sees its last 64 (model.max_seq_len)" in r.stderr, r.stderr[-2000:]
     assert "the run trained on 32-token windows (data.seq_len)" in r.stderr
     # the data directory re-prepared since the checkpoint (meta.json differs): its tokenizer is
@@ -142,19 +148,19 @@ def test_trains_logs_and_checkpoints(tmp_path, stdlib_data):
     sha = ck["data"]["tokenizer_sha256"]
     assert sha == json.loads((stdlib_data / "meta.json").read_text())["tokenizer_sha256"]
     atomic_torch_save(dict(ck, data={**ck["data"], "fingerprint": "0" * 64}), tmp_path / "moved.pt")
-    r = run(["sample.py", str(tmp_path / "moved.pt"), "--max-new-tokens", "2"])
+    r = sample_cli([str(tmp_path / "moved.pt"), "--max-new-tokens", "2"])
     assert r.returncode == 0 and "warning" not in r.stderr, r.stderr[-2000:]
     atomic_torch_save(dict(ck, data={**ck["data"], "tokenizer_sha256": "f" * 64}), tmp_path / "other.pt")
-    r = run(["sample.py", str(tmp_path / "other.pt"), "--max-new-tokens", "2"])
+    r = sample_cli([str(tmp_path / "other.pt"), "--max-new-tokens", "2"])
     assert r.returncode == 2 and "Traceback" not in r.stderr and r.stdout == "", r.stderr[-2000:]
     assert r.stderr.strip().splitlines()[-1] == (f"sample.py: error: {stdlib_data}: its tokenizer.json (sha256 {sha[:12]}...) is "
                                 "not byte for byte the one the checkpoint was trained with (ffffffffffff...): pass --tokenizer "
                                 "with the model's tokenizer"), r.stderr
-    r = run(["sample.py", str(tmp_path / "other.pt"), "--tokenizer", str(stdlib_data), "--max-new-tokens", "2"])
+    r = sample_cli([str(tmp_path / "other.pt"), "--tokenizer", str(stdlib_data), "--max-new-tokens", "2"])
     assert r.returncode == 0 and f"warning: --tokenizer {stdlib_data}: its tokenizer.json (sha256 " in r.stderr
     old = dict(ck, data={k: v for k, v in ck["data"].items() if k != "tokenizer_sha256"} | {"fingerprint": "0" * 64})
     atomic_torch_save(old, tmp_path / "old.pt")
-    r = run(["sample.py", str(tmp_path / "old.pt"), "--max-new-tokens", "2"])
+    r = sample_cli([str(tmp_path / "old.pt"), "--max-new-tokens", "2"])
     assert r.returncode == 0 and ("saved while training on other data (meta.json differs): the tokenizer of "
                                   f"{stdlib_data} may not be the model's") in r.stderr, r.stderr[-2000:]
 
