@@ -226,6 +226,39 @@ def test_deepened_trace_equals_a_direct_trace(over, evaluation):
         assert np.abs(deep[phase] - direct[phase]).max() <= (1024 if phase in ("forward", "evaluation") else 0), phase
 
 
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_plans_share_an_optimizer_trace_only_where_the_update_is_the_same(optimizer):
+    """A deep model's optimizer step is traced once for every plan of the same model, optimiser and
+    entry (``OPTIMIZER_FIELDS``): what ``build_optimizer`` reads of the training section is among
+    those fields, and plans at another batch, sequence length, accumulation, precision and mesh,
+    whose optimizer phases reuse the first plan's trace, equal traces made afresh."""
+    read = set()
+
+    class Reading:  # the training section, noting each field the optimiser reads
+        def __init__(self, t):
+            self._t = t
+
+        def __getattr__(self, name):
+            read.add(name)
+            return getattr(self._t, name)
+
+    from training.optim import build_optimizer
+    cfg = small_config(dict(DEMO, n_layers=4), batch=2, seq=64, optimizer=optimizer)
+    build_optimizer(NashMHC(dataclasses.replace(cfg.model, n_layers=1)), Reading(cfg.training), torch.optim.AdamW)
+    assert read and read <= set(P.OPTIMIZER_FIELDS), read - set(P.OPTIMIZER_FIELDS)
+    device = P.device_for("v4", "xla")
+    P._TRACES.clear(), P._OPTIMIZER_TRACES.clear()
+    P.trace_step(cfg, P.layout_for(cfg, "xla", None), device)
+    other = small_config(dict(DEMO, n_layers=4), batch=6, seq=32, optimizer=optimizer, precision="bf16",
+                         gradient_accumulation_steps=3)
+    layout = dataclasses.replace(P.layout_for(other, "xla", None), mode="spmd", mesh={"data": 1, "fsdp": 2, "tp": 1})
+    shared = _phases(P.trace_step(other, layout, device), layout)["optimizer"]
+    assert len(P._OPTIMIZER_TRACES) == 1
+    P._TRACES.clear(), P._OPTIMIZER_TRACES.clear()
+    fresh = _phases(P.trace_step(other, layout, device), layout)["optimizer"]
+    assert np.array_equal(shared, fresh)
+
+
 def test_sharded_state_is_divided_and_activations_are_not():
     """On an SPMD mesh the weights, gradients and optimiser state per chip are the whole model's
     divided by the sharding rule (training/sharding.py), shard by shard; activations depend only on

@@ -755,10 +755,33 @@ def _trace_step(cfg, layout, device, micro_batch, evaluation, deepen) -> Trace:
             needed |= {f"backward {k}" for k in ("0", "1", "2", "top")}
         trace = trace.deepen(n_layers, per_layer) if needed <= trace.marks.keys() else None
         if trace is not None and not evaluation:
-            trace = trace.with_optimizer(_trace(cfg, layout, device, micro_batch, False, optimizer_only=True)[0])
+            trace = trace.with_optimizer(_optimizer_trace(cfg, layout, device))
     if trace is None:
         trace = _trace(cfg, layout, device, micro_batch, evaluation)[0]
     return dataclasses.replace(trace, unsharded=_fsdp2_unsharded_bytes(cfg.model))
+
+
+# What an optimiser step alone reads of the training section (build_optimizer, optimizer_step):
+# its trace is the same for every batch, sequence length, accumulation, precision and schedule.
+OPTIMIZER_FIELDS = ("optimizer", "learning_rate", "weight_decay", "betas", "eps", "grad_clip", "muon_lr",
+                    "muon_momentum")
+
+
+def _optimizer_trace(cfg: Config, layout: Layout, device: Device) -> Trace:
+    """``_trace(optimizer_only=True)`` at full depth, shared by every plan of the same model and
+    optimiser (``find_levers`` tries other batches and meshes): ``Trace.with_optimizer`` takes its
+    changes to the memory from the optimizer phase on, which no input, activation or mesh enters
+    (the scales are applied later). The most expensive trace of a deep model's plan."""
+    key = repr((cfg.model, [getattr(cfg.training, f) for f in OPTIMIZER_FIELDS], layout.entry,
+                layout.gradient_buckets))
+    if key not in _OPTIMIZER_TRACES:
+        if len(_OPTIMIZER_TRACES) >= 4:
+            _OPTIMIZER_TRACES.pop(next(iter(_OPTIMIZER_TRACES)))
+        _OPTIMIZER_TRACES[key] = _trace(cfg, layout, device, 1, False, optimizer_only=True)[0]
+    return _OPTIMIZER_TRACES[key]
+
+
+_OPTIMIZER_TRACES: dict[str, Trace] = {}
 
 
 def _fsdp2_unsharded_bytes(mcfg: ModelConfig) -> float:
