@@ -467,6 +467,7 @@ def replica(index, cfg):
     from training.loop import STOP
     STOP.install()  # as train_xla.py's workers: SIGTERM asks for a stop, it does not end the process
     training.xla_backend.XLABackend = NoDevice
+    train_xla._spawns = lambda cfg: True   # a spawned worker (PJRT CPU runs one in the launcher's process)
     def train(cfg, backend):
         if index == 1:
             while not os.path.exists(READY):
@@ -484,6 +485,7 @@ def spawn(fn, args=(), nprocs=None):
 if __name__ == "__main__":
     import torch_xla.distributed.xla_multiprocessing as xmp
     xmp.spawn = spawn
+    train_xla._spawns = lambda cfg: True
     train_xla.WORKER_GRACE_S = 1.0
     sys.exit(main([{cfg!r}], train_xla.run, "train_xla.py", entry="xla"))
 """
@@ -574,6 +576,25 @@ def test_a_pjrt_device_torch_xla_cannot_run_is_one_line_naming_it(tmp_path, stdl
         "train_xla.py: error: PJRT_DEVICE=cpu: torch_xla has no device of that name (here: "
         + r.stderr.split("(here: ")[1].split(")")[0] + "); did you mean CPU?"], r.stderr[-3000:]
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("pjrt, devices, mode, nprocs, spawns", [
+    ("CPU", None, "ddp", None, False), ("CPU", "1", "ddp", None, False),   # torch_xla's pool: one process
+    ("CPU", "4", "ddp", None, True),     # its replicas as threads, which the backend refuses in one line
+    ("TPU", None, "ddp", None, True), ("TPU", None, "ddp", 1, False), ("TPU", None, "spmd", None, False),
+    ("CPU", "4", "spmd", None, False)])
+def test_ddp_on_one_cpu_device_runs_in_the_launchers_process(monkeypatch, pjrt, devices, mode, nprocs, spawns):
+    """xmp.spawn on PJRT CPU starts one process for one replica: Python, torch and torch_xla a
+    second time for what the launcher's process can run itself (train_xla.py with xla.nprocs 1)."""
+    from types import SimpleNamespace
+
+    import train_xla
+    monkeypatch.setenv("PJRT_DEVICE", pjrt)
+    if devices is None:
+        monkeypatch.delenv("CPU_NUM_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CPU_NUM_DEVICES", devices)
+    assert train_xla._spawns(SimpleNamespace(xla=SimpleNamespace(mode=mode, nprocs=nprocs))) is spawns
 
 
 MASTER_ADDRESS = r"""

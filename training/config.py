@@ -184,8 +184,9 @@ class XLAConfig:
     compile_cache: Optional[str] = _help(
         "persistent XLA compilation cache directory (one subdirectory per process); empty disables",
         default="~/.cache/nash_mhc/xla")
-    nprocs: Optional[int] = _help("xmp.spawn processes: null (one per core/chip) or 1 (torch_xla 2.9 "
-                                  "accepts nothing else)", default=None)
+    nprocs: Optional[int] = _help("xmp.spawn processes: null (one per core/chip; on PJRT CPU with one "
+                                  "device, this process) or 1 (this process; torch_xla 2.9 accepts "
+                                  "nothing else)", default=None)
     scan_layers: bool = _help("run the blocks as one compiled loop (torch_xla's scan): compile time "
                               "and graph size stop growing with model.n_layers", default=False)
 
