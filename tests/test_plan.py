@@ -228,10 +228,11 @@ def test_deepened_trace_equals_a_direct_trace(over, evaluation):
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_plans_share_an_optimizer_trace_only_where_the_update_is_the_same(optimizer):
-    """A deep model's optimizer step is traced once for every plan of the same model, optimiser and
-    entry (``OPTIMIZER_FIELDS``): what ``build_optimizer`` reads of the training section is among
-    those fields, and plans at another batch, sequence length, accumulation, precision and mesh,
-    whose optimizer phases reuse the first plan's trace, equal traces made afresh."""
+    """A deep model's optimizer step is traced once for every plan of a model with the same
+    parameters, optimiser (``OPTIMIZER_FIELDS``) and entry: what ``build_optimizer`` reads of the
+    training section is among those fields, and a plan at another batch, sequence length,
+    accumulation, precision and mesh, with the levers' model settings, whose optimizer phase reuses
+    the first plan's trace, equals one traced afresh."""
     read = set()
 
     class Reading:  # the training section, noting each field the optimiser reads
@@ -249,8 +250,8 @@ def test_plans_share_an_optimizer_trace_only_where_the_update_is_the_same(optimi
     device = P.device_for("v4", "xla")
     P._TRACES.clear(), P._OPTIMIZER_TRACES.clear()
     P.trace_step(cfg, P.layout_for(cfg, "xla", None), device)
-    other = small_config(dict(DEMO, n_layers=4), batch=6, seq=32, optimizer=optimizer, precision="bf16",
-                         gradient_accumulation_steps=3)
+    other = small_config(dict(DEMO, n_layers=4, activation_checkpointing=True, loss_chunk=16, stream_dtype="bf16"),
+                         batch=6, seq=32, optimizer=optimizer, precision="bf16", gradient_accumulation_steps=3)
     layout = dataclasses.replace(P.layout_for(other, "xla", None), mode="spmd", mesh={"data": 1, "fsdp": 2, "tp": 1})
     shared = _phases(P.trace_step(other, layout, device), layout)["optimizer"]
     assert len(P._OPTIMIZER_TRACES) == 1

@@ -926,6 +926,12 @@ def _jsonable(obj):
 
 # -- optimiser state by parameter name ------------------------------------------------------------
 
+def parameter_names(model: torch.nn.Module) -> dict[int, str]:
+    """Each parameter's name by its id: a tied tensor under its first name (``named_parameters``
+    gives it once), the name state dicts key it by."""
+    return {id(p): name for name, p in model.named_parameters()}
+
+
 def optimizer_state_by_name(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> dict:
     """A format-1 optimiser state (keyed by index, ``Optimizer.state_dict()``) keyed by parameter
     name instead, as ``torch.distributed.checkpoint.state_dict`` keys it. Index i is the i-th
@@ -933,9 +939,7 @@ def optimizer_state_by_name(model: torch.nn.Module, optimizer: torch.optim.Optim
     keys = list(state.get("state", {}))
     if not keys or not all(isinstance(k, int) for k in keys):
         return state
-    names = {}
-    for name, p in model.named_parameters():  # a tied tensor under its first name
-        names.setdefault(id(p), name)
+    names = parameter_names(model)
     order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
     n_saved = sum(len(g["params"]) for g in state["param_groups"])
     if n_saved != len(order):

@@ -768,12 +768,14 @@ OPTIMIZER_FIELDS = ("optimizer", "learning_rate", "weight_decay", "betas", "eps"
 
 
 def _optimizer_trace(cfg: Config, layout: Layout, device: Device) -> Trace:
-    """``_trace(optimizer_only=True)`` at full depth, shared by every plan of the same model and
-    optimiser (``find_levers`` tries other batches and meshes): ``Trace.with_optimizer`` takes its
-    changes to the memory from the optimizer phase on, which no input, activation or mesh enters
-    (the scales are applied later). The most expensive trace of a deep model's plan."""
-    key = repr((cfg.model, [getattr(cfg.training, f) for f in OPTIMIZER_FIELDS], layout.entry,
-                layout.gradient_buckets))
+    """``_trace(optimizer_only=True)`` at full depth, shared by every plan of a model with the same
+    parameters and optimiser (``find_levers`` tries other batches, meshes, checkpointing, loss
+    chunks and stream dtypes): ``Trace.with_optimizer`` takes its changes to the memory from the
+    optimizer phase on, which no input, activation or mesh enters (the scales are applied later).
+    The most expensive trace of a deep model's plan."""
+    with torch.device("meta"):
+        params = [(n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in NashMHC(cfg.model).named_parameters()]
+    key = repr((params, [getattr(cfg.training, f) for f in OPTIMIZER_FIELDS], layout.entry, layout.gradient_buckets))
     if key not in _OPTIMIZER_TRACES:
         if len(_OPTIMIZER_TRACES) >= 4:
             _OPTIMIZER_TRACES.pop(next(iter(_OPTIMIZER_TRACES)))

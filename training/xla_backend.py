@@ -49,7 +49,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from .backend import Backend
-from .checkpoint import optimizer_state_by_name
+from .checkpoint import optimizer_state_by_name, parameter_names
 from .config import ConfigError, check_xla
 from .distributed import HostGroup, group_timeout, init_gloo, new_gloo_group
 from .monitor import peak_flops_for
@@ -855,9 +855,7 @@ class XLABackend(Backend):
             for name, t in live.items():
                 self._load_by_shard(t, model_state[name], name)
             saved = optimizer_state_by_name(raw, optimizer, optim_state)["state"]
-            names = {}
-            for name, p in raw.named_parameters():  # a tied tensor under its first name
-                names.setdefault(id(p), name)
+            names = parameter_names(raw)
             for group in optimizer.param_groups:
                 for p in group["params"]:
                     state, name = optimizer.state[p], names[id(p)]
