@@ -6,8 +6,8 @@
 
 ``xla.mode: ddp`` (default) runs one process per core/chip with ``xmp.spawn`` (on the CPU, one
 device: this process); ``xla.mode: spmd`` runs one process over a data x fsdp x tp mesh of every
-device. Config, data, loop and checkpoints
-are train.py's (training/); checkpoints move freely between the two.
+device. Config, data, loop and checkpoints are train.py's (training/); checkpoints move freely
+between the two.
 """
 from __future__ import annotations
 
