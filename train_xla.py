@@ -22,6 +22,7 @@ import time
 import traceback
 from concurrent.futures.process import BrokenProcessPool
 
+from training import launch
 from training.checkpoint import first_line
 from training.config import check_xla, xla_ignores
 from training.data import stop_signals_taken
@@ -140,7 +141,7 @@ def _spawns(cfg) -> bool:
     run 26.6 s -> 16.9 s)."""
     if cfg.xla.mode == "spmd" or cfg.xla.nprocs == 1:
         return False
-    return not (os.environ.get("PJRT_DEVICE") == "CPU" and os.environ.get("CPU_NUM_DEVICES", "1").strip() == "1")
+    return not launch.one_pjrt_cpu_device()
 
 
 _FORWARDED: list[int] = []  # the signals the launcher passed on, in order

@@ -141,8 +141,10 @@ def test_exact_resume_after_sigterm(tmp_path, stdlib_data):
     r = run(["train_xla.py", str(tiny_config(ref, stdlib_data, **over))])
     assert r.returncode == 0, r.stderr[-3000:]
     cfg, at6 = tiny_config(cut, stdlib_data, **over), tmp_path / "at-step-6"
+    # through xmp.spawn's pool, as on a TPU host (PJRT CPU's one replica runs in the launcher)
+    pool = "import training.launch\ntraining.launch.one_pjrt_cpu_device = lambda: False\n"
     proc = subprocess.Popen([sys.executable, "train_xla.py", str(cfg)], cwd=ROOT,
-                            env=patched_env(tmp_path, wait_for_a_signal_at_step(6, at6)),
+                            env=patched_env(tmp_path, pool + wait_for_a_signal_at_step(6, at6)),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for_file(at6, proc)
     proc.send_signal(signal.SIGTERM)  # to the launcher: it forwards to the xmp.spawn worker
@@ -371,7 +373,7 @@ def test_a_bad_batch_read_in_the_loader_thread_is_one_agreed_stop(tmp_path, stdl
                                                 "evaluation.interval": 0, "checkpoint.interval": 0})
     r = run(["train_xla.py", str(cfg), f"xla.mode={mode}"], env=patched_env(tmp_path, BAD_THIRD_BATCH))
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
-    # (ddp: xmp.spawn's worker says it, then the launcher that a worker ended)
+    # (ddp here: the replica runs in the launcher's process, which says it once)
     assert "\ntrain_xla.py: error: train_00000.npy: token 5 is id 9999, not below the vocabulary\n" in r.stderr
     # the loader reads ahead, but the error comes up at the refused batch's place: step 3 is the
     # skipped one (it had been whichever step came after the loader's read, and a good batch lost)

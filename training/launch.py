@@ -44,6 +44,13 @@ def under_torchrun() -> bool:
         return False
 
 
+def one_pjrt_cpu_device() -> bool:
+    """Whether torch_xla's client here is PJRT CPU with one device (CPU_NUM_DEVICES unset or 1):
+    xmp.spawn's pool would be one process running one replica, which train_xla.py runs in its own
+    process instead (a test that needs the pool's launcher path patches this)."""
+    return os.environ.get("PJRT_DEVICE") == "CPU" and os.environ.get("CPU_NUM_DEVICES", "1").strip() == "1"
+
+
 def config_items(cfg) -> dict:
     """The resolved config as ``{"section.key": value}`` (plain JSON values), without the
     per-host keys: what every process of a job must agree on."""
