@@ -248,14 +248,16 @@ def test_plans_share_an_optimizer_trace_only_where_the_update_is_the_same(optimi
     build_optimizer(NashMHC(dataclasses.replace(cfg.model, n_layers=1)), Reading(cfg.training), torch.optim.AdamW)
     assert read and read <= set(P.OPTIMIZER_FIELDS), read - set(P.OPTIMIZER_FIELDS)
     device = P.device_for("v4", "xla")
-    P._TRACES.clear(), P._OPTIMIZER_TRACES.clear()
+    P._TRACES.clear()
+    P._OPTIMIZER_TRACES.clear()
     P.trace_step(cfg, P.layout_for(cfg, "xla", None), device)
     other = small_config(dict(DEMO, n_layers=4, activation_checkpointing=True, loss_chunk=16, stream_dtype="bf16"),
                          batch=6, seq=32, optimizer=optimizer, precision="bf16", gradient_accumulation_steps=3)
     layout = dataclasses.replace(P.layout_for(other, "xla", None), mode="spmd", mesh={"data": 1, "fsdp": 2, "tp": 1})
     shared = _phases(P.trace_step(other, layout, device), layout)["optimizer"]
     assert len(P._OPTIMIZER_TRACES) == 1
-    P._TRACES.clear(), P._OPTIMIZER_TRACES.clear()
+    P._TRACES.clear()
+    P._OPTIMIZER_TRACES.clear()
     fresh = _phases(P.trace_step(other, layout, device), layout)["optimizer"]
     assert np.array_equal(shared, fresh)
 

@@ -465,11 +465,11 @@ READY = {ready!r}  # replica 0 has its stop handlers: replica 1 fails only then 
                   # would otherwise end a replica still starting up, and there would be none to stop)
 
 def replica(index, cfg):
-    import os, training.xla_backend
+    import os, training.launch, training.xla_backend
     from training.loop import STOP
     STOP.install()  # as train_xla.py's workers: SIGTERM asks for a stop, it does not end the process
     training.xla_backend.XLABackend = NoDevice
-    train_xla._spawns = lambda cfg: True   # a spawned worker (PJRT CPU runs one in the launcher's process)
+    training.launch.one_pjrt_cpu_device = lambda: False   # a spawned worker, as on a TPU host
     def train(cfg, backend):
         if index == 1:
             while not os.path.exists(READY):
@@ -487,7 +487,8 @@ def spawn(fn, args=(), nprocs=None):
 if __name__ == "__main__":
     import torch_xla.distributed.xla_multiprocessing as xmp
     xmp.spawn = spawn
-    train_xla._spawns = lambda cfg: True
+    import training.launch
+    training.launch.one_pjrt_cpu_device = lambda: False   # the pool, which PJRT CPU's one replica skips
     train_xla.WORKER_GRACE_S = 1.0
     sys.exit(main([{cfg!r}], train_xla.run, "train_xla.py", entry="xla"))
 """
