@@ -138,31 +138,32 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def model_config(args, module=None):
-    """The benchmark's model: ``--d-model`` wide, ``--layers`` deep, heads of 64, kv heads of 128
+def model_config(args, module=None, tp: int = 1):
+    """The benchmark's model: ``--d-model`` wide, ``--layers`` deep, heads of 64, kv heads of 128,
+    at least ``tp`` of each (tensor parallelism splits whole heads: ``config.check_xla``)
     (``module``: the model.py to take the config class from; this checkout's by default)."""
     if module is None:
         import model as module
     return module.ModelConfig(vocab_size=4096, d_model=args.d_model, n_layers=args.layers,
-                              n_heads=max(1, args.d_model // 64), n_kv_heads=max(1, args.d_model // 128),
+                              n_heads=max(tp, args.d_model // 64), n_kv_heads=max(tp, args.d_model // 128),
                               max_seq_len=args.seq)
 
 
-def model_and_optimizer(backend, cfg, args, module=None):
+def model_and_optimizer(backend, cfg, args, module=None, tp: int = 1):
     """The benchmark's model (the same weights every call; ``module``'s NashMHC, this checkout's
-    by default) on ``backend`` and its optimiser."""
+    by default; ``tp``: ``model_config``'s) on ``backend`` and its optimiser."""
     from training.optim import build_optimizer
     if module is None:
         import model as module
     torch.manual_seed(0)
-    model = backend.prepare_model(module.NashMHC(model_config(args, module)), cfg)
+    model = backend.prepare_model(module.NashMHC(model_config(args, module, tp)), cfg)
     return model, build_optimizer(model, cfg.training, backend.adamw_factory())
 
 
-def _on_xla(backend, cfg, args, module=None):
+def _on_xla(backend, cfg, args, module=None, tp: int = 1):
     """``model_and_optimizer`` on the XLA backend, its optimiser state made and placed as the
     Trainer does (``init_state``, ``prepare_optimizer``)."""
-    model, opt = model_and_optimizer(backend, cfg, args, module)
+    model, opt = model_and_optimizer(backend, cfg, args, module, tp)
     opt.init_state()
     backend.prepare_optimizer(opt)
     return model, opt
@@ -316,9 +317,10 @@ def _collectives(texts) -> dict:
     return {"collectives": sum(found.values()), "by_kind": dict(found), "result_bytes_per_device": nbytes}
 
 
-def _xla_backend(overrides: list[str]):
+def _xla_backend(args, overrides: list[str], tp: int = 1):
     """An XLA section's ``XLABackend`` (this process: PJRT_DEVICE=CPU, CPU_NUM_DEVICES and XLA_FLAGS
-    set by main), its config, and the directory XLA dumps its graphs into."""
+    set by main), its config, and the directory XLA dumps its graphs into. The config's model is
+    the benchmark's (``model_config(args, tp=tp)``), so the backend's launch checks see it."""
     from training.config import load_config
     from training.xla_backend import XLABackend
 
@@ -326,13 +328,15 @@ def _xla_backend(overrides: list[str]):
     data = Path(dump).parent / "data"
     data.mkdir()
     (data / "meta.json").write_text(json.dumps({"vocab_size": 4096}))  # read by the launch check only
-    cfg = load_config(None, ["training.max_steps=1", "xla.mode=spmd", f"data.dir={data}", *overrides])
+    model = [f"model.{k}={json.dumps(v)}" for k, v in model_config(args, tp=tp).to_dict().items()]
+    cfg = load_config(None, ["training.max_steps=1", "xla.mode=spmd", f"data.dir={data}", f"data.seq_len={args.seq}",
+                             f"training.batch_size={args.batch * args.devices}", *model, *overrides])
     return XLABackend(cfg), cfg, dump
 
 
 def _spmd(args) -> dict:
     """The spmd section, in this process (PJRT_DEVICE=CPU, CPU_NUM_DEVICES and XLA_FLAGS set by main)."""
-    backend, cfg, dump = _xla_backend(["training.optimizer=muon", "xla.mesh.data=1", f"xla.mesh.fsdp={args.devices}"])
+    backend, cfg, dump = _xla_backend(args, ["training.optimizer=muon", "xla.mesh.data=1", f"xla.mesh.fsdp={args.devices}"])
     forms = {}
     for form in ("by_matrix", "per_product"):
         model, opt = _on_xla(backend, cfg, args)
@@ -421,7 +425,7 @@ def _data_x_fsdp(args, section: str, overrides: list[str]):
     if args.devices % 2:
         sys.exit(f"bench/optimizer.py: --only {section} needs an even --devices (data 2 x fsdp devices/2), "
                  f"got {args.devices}")
-    return _xla_backend(["xla.mesh.data=2", f"xla.mesh.fsdp={args.devices // 2}", *overrides])
+    return _xla_backend(args, ["xla.mesh.data=2", f"xla.mesh.fsdp={args.devices // 2}", *overrides])
 
 
 def _trainer_graphs_side_by_side(forms: dict, backend, args, dump: str) -> dict:
@@ -490,15 +494,16 @@ def _tp(args) -> dict:
 
     if args.devices % 2:
         sys.exit(f"bench/optimizer.py: --only tp needs an even --devices (fsdp devices/2 x tp 2), got {args.devices}")
-    backend, cfg, dump = _xla_backend(["training.optimizer=adamw", f"xla.mesh.fsdp={args.devices // 2}",
-                                       "xla.mesh.tp=2", f"xla.scan_layers={str(args.scan_layers).lower()}"])
+    backend, cfg, dump = _xla_backend(args, ["training.optimizer=adamw", f"xla.mesh.fsdp={args.devices // 2}",
+                                             "xla.mesh.tp=2", f"xla.scan_layers={str(args.scan_layers).lower()}"],
+                                      tp=2)
     modules = {"this": None}
     if args.model_root:
         from bench.model import model_module
         modules["root"] = model_module(args, "root:nash-mhc")[0]
     forms = {}
     for form, module in modules.items():
-        model, opt = _on_xla(backend, cfg, args, module)
+        model, opt = _on_xla(backend, cfg, args, module, tp=2)
         forms[form] = (model, opt)
     torch_xla.sync()
     out = _timed_steps(forms, _batch(backend, args), args, dump, TRAINER_GRAPHS)

@@ -1821,6 +1821,31 @@ def test_an_spmd_batch_must_divide_over_data_times_fsdp():
         check_xla(cfg)
 
 
+@pytest.mark.parametrize("over, match", [
+    (["xla.mesh.tp=4"], r"^xla.mesh.tp=4 does not divide model.n_kv_heads=2: .* by whole heads"),
+    (["xla.mesh.tp=2", "model.n_kv_heads=1"], r"^xla.mesh.tp=2 does not divide model.n_kv_heads=1: "),
+    (["xla.mesh.tp=2", "model.d_model=192", "model.n_heads=3", "model.n_kv_heads=1"],
+     r"^xla.mesh.tp=2 does not divide model.n_heads=3: "),
+    (["xla.mesh.tp=3", "model.d_model=192", "model.n_heads=6", "model.n_kv_heads=3"],
+     r"^xla.mesh.tp=3 does not divide the FFN's hidden size 544 \(.*model.ffn_multiple_of=32\)"),
+])
+def test_spmd_tp_must_split_heads_and_ffn_units_whole(over, match):
+    """tp splits attention by heads and the FFN by hidden units (training/sharding.py): a tp that
+    cuts a head (or pads the FFN's shards) is refused before anything compiles, naming the key."""
+    cfg = load_config(None, ["training.max_steps=1", "xla.mode=spmd", *over])
+    with pytest.raises(ConfigError, match=match):
+        check_xla(cfg)
+
+
+def test_spmd_tp_that_divides_heads_and_ffn_units_is_accepted():
+    for tp, over in ((2, []), (3, ["model.d_model=192", "model.n_heads=6", "model.n_kv_heads=3",
+                                   "model.ffn_multiple_of=96"])):
+        cfg = load_config(None, ["training.max_steps=1", "xla.mode=spmd", f"xla.mesh.tp={tp}", *over])
+        assert cfg.model.ffn_hidden % tp == 0
+        check_xla(cfg)   # no error
+        check_xla(cfg, devices=tp)
+
+
 def test_a_split_without_shards_is_refused(tmp_path, stdlib_data):
     import shutil
 

@@ -164,7 +164,8 @@ class LoggingConfig:
 class MeshConfig:
     data: int = _help("data-parallel axis size (over all slices)", default=1)
     fsdp: int = _help("FSDP axis size (parameters and optimiser state sharded)", default=1)
-    tp: int = _help("tensor-parallel axis size (attention heads, FFN hidden units); kept within a host",
+    tp: int = _help("tensor-parallel axis size: splits attention by heads and the FFN by hidden units, so "
+                    "it divides model.n_heads, model.n_kv_heads and the FFN's hidden size; kept within a host",
                     default=1)
     dcn_data: int = _help("multi-slice: how many slices the data axis spans (over the data-center "
                           "network); divides data. On TPU the mesh follows the physical topology "
@@ -669,6 +670,19 @@ def check_xla(cfg: Config, devices: Optional[int] = None) -> None:
         raise ConfigError(f"training.batch_size={cfg.training.batch_size} is the global batch in "
                           f"xla.mode=spmd and must divide over xla.mesh data x fsdp = "
                           f"{m.data} x {m.fsdp} = {m.data * m.fsdp} devices")
+    # tp splits wq/wk/wv and w1/w3 by output features, wo and w2 by input features
+    # (training/sharding.py): by whole heads and whole hidden units only where tp divides their
+    # counts. Otherwise GSPMD cuts a head's features across devices (attention then contracts a
+    # sharded head_dim, a collective per layer) or pads the FFN's shards: it runs, slowly.
+    mc = cfg.model
+    for key, count in (("n_heads", mc.n_heads), ("n_kv_heads", mc.n_kv_heads)):
+        if count % m.tp:
+            raise ConfigError(f"xla.mesh.tp={m.tp} does not divide model.{key}={count}: tensor "
+                              f"parallelism splits attention by whole heads (query and key/value)")
+    if mc.ffn_hidden % m.tp:
+        raise ConfigError(f"xla.mesh.tp={m.tp} does not divide the FFN's hidden size {mc.ffn_hidden} "
+                          f"(model.ffn_mult x d_model rounded up to model.ffn_multiple_of="
+                          f"{mc.ffn_multiple_of}): tensor parallelism splits it into equal parts")
 
 
 def xla_ignores(cfg: Config) -> list[str]:
