@@ -23,14 +23,19 @@ def close(a: dict, b: dict, rel: float, steps=None):
         assert abs(a[s] - b[s]) <= rel * abs(b[s]), (s, a[s], b[s])
 
 
-def test_twins_give_the_same_losses(tmp_path, stdlib_data):
+# Sinkhorn's H_res (mhc_lite false) runs on XLA as two While loops of the backend's own
+# (xla_backend.SinkhornLoop), eagerly as model.py's unrolled iterations: the same training.
+@pytest.mark.parametrize("over", [{}, {"model.mhc_lite": False}], ids=["mhc_lite", "sinkhorn"])
+def test_twins_give_the_same_losses(tmp_path, stdlib_data, over):
     x, t = tmp_path / "xla", tmp_path / "torch"
     x.mkdir(), t.mkdir()
     for d, script in ((x, "train_xla.py"), (t, "train.py")):
-        r = run([script, str(tiny_config(d, stdlib_data))])
+        r = run([script, str(tiny_config(d, stdlib_data, **over))])
         assert r.returncode == 0, r.stderr[-3000:]
+        assert ("mhc_lite: false" in r.stderr) == bool(over), r.stderr[-3000:]   # the config it ran
     close(losses(x / "run"), losses(t / "run"), 1e-3, steps=list(range(1, 21)))
-    assert "no TPU found: using PJRT_DEVICE=CPU" not in run(["train_xla.py", "--help"]).stderr
+    if not over:
+        assert "no TPU found: using PJRT_DEVICE=CPU" not in run(["train_xla.py", "--help"]).stderr
 
 
 # data 2: gradients and optimiser state over data x fsdp (xla.shard_optimizer_over_data, on by
