@@ -1048,6 +1048,25 @@ def test_an_error_while_closing_the_logs_still_stops_the_data_workers(tmp_path, 
     assert r.returncode == 1 and "RuntimeError: closing the logs failed" in r.stderr, r.stderr[-3000:]
 
 
+def test_the_error_a_run_stops_on_is_reported_even_when_closing_the_logs_fails_too(tmp_path, stdlib_data):
+    """A save's CheckpointError at step 5 is the run's one-line error (exit 2) when the logs' close
+    then fails as well: that failure is a warning line above it, not the exception the run ends
+    with (it was: a traceback of the close's error, the save's reason only in its context)."""
+    patch = CLOSING_THE_LOGS_FAILS + (
+        "import training.loop\n"
+        "from training.checkpoint import CheckpointError\n"
+        "def save(self, reason, wait=False):\n"
+        "    raise CheckpointError(f'checkpoint.dir: the disk is full at step {self.state.step} (a stand-in)')\n"
+        "training.loop.Trainer.save = save\n")
+    cfg = tiny_config(tmp_path, stdlib_data, **{"data.num_workers": 1, "evaluation.interval": 0})
+    r = run_patched(tmp_path, patch, ["train.py", cfg])
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert lines[-1] == "train.py: error: checkpoint.dir: the disk is full at step 5 (a stand-in)", lines[-3:]
+    assert lines[-2] == ("warning: stopping after the error below, closing the logs and data also failed: "
+                         "RuntimeError: closing the logs failed"), lines[-3:]
+
+
 def test_init_from_takes_the_weights_of_a_run_with_another_optimizer(tmp_path, stdlib_data):
     """checkpoint.init_from loads weights only, so the optimizer of the run they come from does
     not matter (fine-tuning with AdamW from a Muon run was refused as if resuming); resuming with

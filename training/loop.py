@@ -27,7 +27,8 @@ import torch
 from model import NashMHC
 
 from .backend import Backend
-from .checkpoint import FORMAT_VERSION, Checkpointer, CheckpointError, release_run_lock, rng_state, set_rng_state
+from .checkpoint import (FORMAT_VERSION, Checkpointer, CheckpointError, first_line, release_run_lock, rng_state,
+                         set_rng_state)
 from .config import Config, ConfigError, check_data, config_from_dict, yaml_value
 from .data import (DataStream, TokenWindows, check_same_tokenizer, data_change_warning,
                    data_fingerprint, eval_batches, stop_signals_taken)
@@ -679,21 +680,29 @@ class Trainer:
                         break
         except BaseException:
             self.checkpointer.wait(quiet=True)  # a save in flight still commits if it can
+            self._close(after_error=True)
             raise
-        finally:
-            self._close()
+        self._close()
         return exit_reason
 
-    def _close(self) -> None:
+    def _close(self, after_error: bool = False) -> None:
         """Flush the logs, stop the data. Each step runs even if one before it fails: data workers
         left running would hang the exit (they ignore SIGTERM, which multiprocessing sends them
-        before it joins them)."""
-        with contextlib.ExitStack() as cleanup:  # callbacks run last in, first out
-            cleanup.callback(self.stream.close)
-            cleanup.callback(self.backend.close_batches, self.batches)  # stop prefetching, join the workers
-            cleanup.callback(self.monitor.close)
-            cleanup.callback(self.backend.wait_host)  # the last log lines reach metrics.jsonl first
-            cleanup.callback(self.profiler.close)  # a run stopped inside the window: what it traced
+        before it joins them). ``after_error``: the loop is ending with an error, which stays the
+        one reported (a failure here is a warning line; it would otherwise replace it, and a one-line
+        ``CheckpointError`` would become another exception's traceback)."""
+        try:
+            with contextlib.ExitStack() as cleanup:  # callbacks run last in, first out
+                cleanup.callback(self.stream.close)
+                cleanup.callback(self.backend.close_batches, self.batches)  # stop prefetching, join the workers
+                cleanup.callback(self.monitor.close)
+                cleanup.callback(self.backend.wait_host)  # the last log lines reach metrics.jsonl first
+                cleanup.callback(self.profiler.close)  # a run stopped inside the window: what it traced
+        except Exception as e:
+            if not after_error:
+                raise
+            print(f"warning: stopping after the error below, closing the logs and data also failed: "
+                  f"{type(e).__name__}: {first_line(e)}", file=sys.stderr)
 
     def _save_last(self, reason: str) -> None:
         """The run's last save, committed before returning; none when the periodic save of this
