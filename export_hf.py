@@ -43,7 +43,7 @@ import torch
 import yaml
 
 from prepare_data import TOKENIZER_FILES, DataError, TokenizerSpec, install
-from training.checkpoint import FORMAT_VERSION, CheckpointError, atomic_torch_save
+from training.checkpoint import FORMAT_VERSION, CheckpointError, atomic_torch_save, check_checkpoint_out
 from training.config import Config, ConfigError
 from training.data import tokenizer_difference, unverified_tokenizer_warning
 from training.hf import (SAME_IDS_AS, from_llama_state_dict, llama_incompatibility, load_llama,
@@ -453,10 +453,10 @@ def export(args) -> str:
 def import_llama(args) -> str:
     # expanded here: a shell leaves the ~ of --import=~/llama as it is
     hf_dir, out = Path(args.import_dir).expanduser(), Path(args.paths[0]).expanduser()
-    if out.exists() and not args.overwrite:
-        raise ExportError(f"{out}: exists; pass --overwrite to replace it")
-    if out.is_dir():
-        raise ExportError(f"{out}: is a directory; give a file name such as init.pt")
+    try:
+        check_checkpoint_out(out, args.overwrite)
+    except CheckpointError as e:
+        raise ExportError(str(e)) from None
     cfg, hf = load_llama(hf_dir)
     model = model_holding(cfg, from_llama_state_dict(hf.state_dict(), cfg))[0].eval()
     diff, scale = max_logit_difference(model, hf, probe_tokens(cfg.vocab_size, cfg.max_seq_len))
@@ -517,7 +517,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="split model.safetensors above this size, with an index (default 5GB)")
     ap.add_argument("--tokenizer", metavar="DIR",
                     help="tokenizer directory (default: the data.dir of the checkpoint's config)")
-    ap.add_argument("--overwrite", action="store_true", help="replace an earlier export (or OUT.pt)")
+    ap.add_argument("--overwrite", action="store_true", help="replace an earlier export (or an earlier checkpoint at OUT.pt)")
     ap.add_argument("--no-verify", action="store_true",
                     help="skip loading the export back and comparing its logits with ours")
     try:

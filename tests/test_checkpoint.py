@@ -313,6 +313,12 @@ def test_consolidate_writes_one_weights_only_file(tmp_path):
     assert r.returncode == 2 and "Traceback" not in r.stderr and f"{blocked}: cannot write" in r.stderr
     r = run(["-m", "training.checkpoint", "consolidate", str(src), "/dev/null", "--overwrite"])
     assert r.returncode == 2 and "/dev/null: not a regular file" in r.stderr and Path("/dev/null").is_char_device()
+    text = tmp_path / "notes.txt"   # not a checkpoint: --overwrite leaves it as it is
+    text.write_text("mine")
+    r = run(["-m", "training.checkpoint", "consolidate", str(src), str(text), "--overwrite"])
+    assert r.returncode == 2 and (f"{text}: not a loadable checkpoint (its bytes are not torch.save's zip "
+                                  "format); --overwrite replaces a checkpoint only") in r.stderr, r.stderr
+    assert text.read_text() == "mine"
     foreign = tmp_path / "foreign.pt"
     for bad, said in [({"format_version": "2"}, "not a Nash-MHC checkpoint (format_version '2' is not an integer)"),
                       ({"format_version": 2}, "missing or malformed 'step'"),

@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -553,6 +554,25 @@ def test_overwrite_never_replaces_a_model_directory_transformers_wrote(tmp_path,
     assert "README.md has no 'nash-mhc-toolkit' tag" in one_error_line(capsys.readouterr().err)
     assert {p.name: p.read_bytes() for p in hf_dir.iterdir()} == before
     assert not list(tmp_path.glob(".llama*"))
+
+
+def test_import_overwrite_replaces_an_earlier_checkpoint_only(tmp_path, llama_dir, capsys):
+    """--import OUT.pt --overwrite replaces a checkpoint (an earlier import); a file of anything
+    else at OUT (here a data shard: a mistyped path) is refused in one line and left as it was."""
+    hf_dir, _ = llama_dir
+    out = tmp_path / "init.pt"
+    assert export("--import", hf_dir, out) == 0
+    assert export("--import", hf_dir, out) == 2
+    assert one_error_line(capsys.readouterr().err).endswith(f"{out}: exists (pass --overwrite to replace it)")
+    assert export("--import", hf_dir, out, "--overwrite") == 0 and load_checkpoint(out)["step"] == 0
+    shard = tmp_path / "train_000.npy"
+    np.save(shard, np.arange(10, dtype=np.uint16))
+    before = shard.read_bytes()
+    assert export("--import", hf_dir, shard, "--overwrite") == 2
+    assert one_error_line(capsys.readouterr().err).endswith(
+        f"{shard}: not a loadable checkpoint (its bytes are not torch.save's zip format); "
+        "--overwrite replaces a checkpoint only")
+    assert shard.read_bytes() == before
 
 
 @pytest.mark.parametrize("tokenizer_class", ["PreTrainedTokenizerFast", "LlamaTokenizerFast"])

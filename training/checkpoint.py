@@ -464,18 +464,31 @@ def resolve_checkpoint(path: str | Path, warn: Callable[[str], None] = print,
     return p, load_checkpoint(p, with_optimizer)
 
 
+def check_checkpoint_out(out: Path, overwrite: bool) -> None:
+    """Before a tool writes the one-file checkpoint ``out``: it is new, or, with ``overwrite``, a
+    checkpoint (a file ``load_checkpoint`` reads), which is replaced. Never a directory, a device,
+    or a file of anything else (a data shard, a tokenizer: a mistyped path), as a CheckpointError."""
+    if out.is_dir():
+        raise CheckpointError(f"{out}: is a directory (give the file to write, e.g. {out / 'model.pt'})")
+    if not out.exists():
+        return
+    if not overwrite:
+        raise CheckpointError(f"{out}: exists (pass --overwrite to replace it)")
+    if not out.is_file():
+        raise CheckpointError(f"{out}: not a regular file (a device or a socket is never replaced)")
+    try:
+        _load_file(out, with_optimizer=False)   # mmap: the tensors are not read
+    except CheckpointError as e:
+        raise CheckpointError(f"{e}; --overwrite replaces a checkpoint only") from None
+
+
 def consolidate(src: str | Path, out: str | Path, model_only: bool = False,
                 overwrite: bool = False) -> dict:
     """Write a checkpoint (usually a DCP directory) as one ``ckpt_*.pt``-style file, loadable with
     ``weights_only=True`` and resumable by either trainer (``model_only``: weights and metadata
     only, for sampling and export). Never replaces an existing file unless ``overwrite``."""
     out = Path(out)
-    if out.is_dir():
-        raise CheckpointError(f"{out}: is a directory (give the file to write, e.g. {out / 'model.pt'})")
-    if out.exists() and not overwrite:
-        raise CheckpointError(f"{out}: exists (pass --overwrite to replace it)")
-    if out.exists() and not out.is_file():
-        raise CheckpointError(f"{out}: not a regular file (a device or a socket is never replaced)")
+    check_checkpoint_out(out, overwrite)
     ckpt = load_checkpoint(src, with_optimizer=not model_only)
     try:
         atomic_torch_save(ckpt, out)
@@ -1060,7 +1073,7 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("checkpoint", help="a DCP checkpoint directory, a ckpt_*.pt file, or a run directory")
     c.add_argument("out", help="the file to write (e.g. model.pt)")
     c.add_argument("--model-only", action="store_true", help="leave the optimizer state out")
-    c.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    c.add_argument("--overwrite", action="store_true", help="replace OUT if it is a checkpoint")
     args = ap.parse_args(argv)
     try:
         src = Path(args.checkpoint).expanduser()
