@@ -433,6 +433,49 @@ def test_host_group_decisions_are_the_same_everywhere(tmp_path):
                        "max": [1, -3, 2 ** 40]}
 
 
+def _shutdowns(rank, store_path, port, out_dir):
+    import os
+    import torch
+    import torch.distributed as dist
+    from training.backend import TorchBackend
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=2)  # the caller's
+    backend = TorchBackend("cpu")
+    ours = backend.ckpt_group
+    res = {"made_when_there_was_one": backend.made_group, "host_size": backend.host.size}
+    backend.shutdown()
+    t = torch.ones(1)
+    dist.all_reduce(t)                       # the caller's group still works
+    res["callers_group_sum"] = t.item()
+    try:
+        dist.get_global_rank(ours, 0)
+        res["backends_group"] = "still registered"
+    except ValueError as e:
+        res["backends_group"] = "destroyed" if "not registered" in str(e) else str(e)
+    dist.destroy_process_group()
+    backend = TorchBackend("cpu")            # no group now: it makes (and then destroys) its own
+    res["made_when_there_was_none"] = backend.made_group
+    backend.shutdown()
+    res["initialized_after"] = dist.is_initialized()
+    (Path(out_dir) / f"{rank}.json").write_text(json.dumps(res))
+
+
+def test_a_backend_destroys_only_the_process_groups_it_made(tmp_path):
+    """TorchBackend.shutdown: a default group that a caller (a notebook, a test, a launcher)
+    initialised stays usable, only the backend's own gloo groups are destroyed; a default group
+    the backend made is destroyed with every group."""
+    import socket
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_shutdowns, args=(str(tmp_path / "store"), port, str(tmp_path)), nprocs=2)
+    for rank in (0, 1):
+        assert json.loads((tmp_path / f"{rank}.json").read_text()) == {
+            "made_when_there_was_one": False, "host_size": 2, "callers_group_sum": 2.0,
+            "backends_group": "destroyed", "made_when_there_was_none": True, "initialized_after": False}
+
+
 def _stall(rank, port, out_dir):
     """Process 1 joins the groups, then never takes part in a collective; process 0 tries one on
     each group TorchBackend makes."""

@@ -130,6 +130,7 @@ class Backend:
     # -- agreement across processes (host-side: a gloo all-reduce, never a device sync) -------
     host: HostGroup = HostGroup()   # one process unless a subclass makes a group
     ckpt_group = None               # the gloo group of checkpoint I/O (None: one process)
+    made_group: bool = False        # whether this backend initialised the default process group
 
     def any_process(self, *flags: bool):
         """For each flag: true on every process if it is true on any. One host-side all-reduce
@@ -281,7 +282,18 @@ class Backend:
         return path
 
     def shutdown(self) -> None:
-        pass
+        """Destroy the process groups this backend made: the default group (and every group with
+        it) if it initialised it; else only its own gloo groups, so a caller's group (a test's, a
+        notebook's, a launcher's) stays usable."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        if self.made_group:
+            dist.destroy_process_group()
+            return
+        for group in (self.host.group, self.ckpt_group):
+            if group is not None:
+                dist.destroy_process_group(group)
+        self.host, self.ckpt_group = HostGroup(), None
 
 
 class OnDevice:
@@ -424,7 +436,7 @@ class TorchBackend(Backend):
             torch.cuda.set_device(self.device)
         if self.distributed:
             backend = "nccl" if self.device.type == "cuda" else "gloo"
-            made = not dist.is_initialized()  # a caller (a test, a notebook) may have made it
+            self.made_group = made = not dist.is_initialized()  # a caller (a test, a notebook) may have made it
             if made:
                 dist.init_process_group(backend=backend, rank=self.rank, world_size=self.world_size,
                                         device_id=self.device if self.device.type == "cuda" else None,
@@ -627,7 +639,3 @@ class TorchBackend(Backend):
                   "mem_reserved_gib": torch.cuda.max_memory_reserved(self.device) / gib}
         torch.cuda.reset_peak_memory_stats(self.device)
         return extras
-
-    def shutdown(self) -> None:
-        if self.distributed and dist.is_initialized():
-            dist.destroy_process_group()

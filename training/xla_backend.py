@@ -504,7 +504,6 @@ class XLABackend(Backend):
             if self.processes == 1:
                 raise
             problem = str(e)
-        self._made_group = False
         if not self.spmd and self.processes > 1 and xr.addressable_runtime_device_count() > 1:
             # xmp.spawn runs the replicas of a process with several devices (PJRT CPU with
             # CPU_NUM_DEVICES > 1, TPU v2/v3 cores) as threads of it: every thread would make the
@@ -516,7 +515,7 @@ class XLABackend(Backend):
         if self.processes > 1:
             import torch.distributed as dist
             from torch_xla.distributed import xla_backend as _xla_pg  # noqa: F401  (registers xla://)
-            self._made_group = not dist.is_initialized()  # a caller's group stays the caller's
+            self.made_group = not dist.is_initialized()  # a caller's group stays the caller's
             self._host_rendezvous(cfg.training.dist_timeout_s)
             self.host = HostGroup(new_gloo_group(cfg.training.dist_timeout_s))
             self.ckpt_group = new_gloo_group(cfg.training.dist_timeout_s)  # the checkpoint writer's thread has its own
@@ -932,12 +931,6 @@ class XLABackend(Backend):
         c = xla_counters()
         return {"xla_compilations": c["compilations"], "xla_cpu_fallbacks": c["cpu_fallbacks"],
                 "xla_transfers": c["device_to_host_transfers"]}
-
-    def shutdown(self) -> None:
-        """Destroy the gloo group this backend made (one it found is left to its maker)."""
-        import torch.distributed as dist
-        if self._made_group and dist.is_initialized():
-            dist.destroy_process_group()
 
     def start_profile(self, folder: Path, name: str) -> None:
         """torch_xla's profiler (XProf): the host's tracing and compiling, and the device's
