@@ -767,15 +767,29 @@ def test_resume_refuses_a_different_architecture(tmp_path, stdlib_data):
     assert r.returncode == 2 and "model.d_model: 64 -> 128" in r.stderr and "Traceback" not in r.stderr
 
 
+# A model statistic that depends on the batch's data alone: the mean token id of the batch
+# (the model's own statistics hardly depend on the data at the tiny model's start).
+BATCH_TOKEN_MEAN = """
+import model
+_forward = model.NashMHC.forward
+def forward(self, idx, targets=None):
+    out = _forward(self, idx, targets)
+    out.metrics["batch_token_mean"] = idx.float().mean()
+    return out
+model.NashMHC.forward = forward
+"""
+
+
 def test_gradient_accumulation_matches_the_larger_batch(tmp_path, stdlib_data):
-    """batch b x 2 micro-steps = batch 2b in one step: same data, same mean loss, same update."""
+    """batch b x 2 micro-steps = batch 2b in one step: same data, same mean loss, same update, and
+    the same model statistics (those of the whole batch, not of its last micro-batch)."""
     one, acc = tmp_path / "one", tmp_path / "acc"
     one.mkdir(), acc.mkdir()
     over = {"checkpoint.interval": 0, "evaluation.interval": 0, "training.max_steps": 8}
-    r = run(["train.py", str(tiny_config(one, stdlib_data, **over)), "training.batch_size=4"])
+    r = run_patched(one, BATCH_TOKEN_MEAN, ["train.py", tiny_config(one, stdlib_data, **over), "training.batch_size=4"])
     assert r.returncode == 0, r.stderr[-3000:]
-    r = run(["train.py", str(tiny_config(acc, stdlib_data, **over)), "training.batch_size=2",
-             "training.gradient_accumulation_steps=2"])
+    r = run_patched(acc, BATCH_TOKEN_MEAN, ["train.py", tiny_config(acc, stdlib_data, **over), "training.batch_size=2",
+                                            "training.gradient_accumulation_steps=2"])
     assert r.returncode == 0, r.stderr[-3000:]
     a, b = losses(one / "run"), losses(acc / "run")
     assert sorted(a) == sorted(b) == list(range(1, 9))
@@ -785,6 +799,11 @@ def test_gradient_accumulation_matches_the_larger_batch(tmp_path, stdlib_data):
     # scaled by the micro-steps, which grad_clip then cuts that many times harder)
     for x, y in zip(metrics(one / "run"), metrics(acc / "run"), strict=True):
         assert abs(x["grad_norm"] - y["grad_norm"]) <= 1e-4 * x["grad_norm"], (x["step"], x, y)
+        # the model's statistics (token means) of the whole batch, not of the last micro-batch
+        model_stats = [k for k in x if k.startswith(("nash_", "mhc_", "batch_"))]
+        assert len(model_stats) >= 6 and "batch_token_mean" in model_stats and set(model_stats) <= set(y), (x, y)
+        for k in model_stats:
+            assert abs(x[k] - y[k]) <= 1e-4 * abs(x[k]) + 1e-6, (x["step"], k, x[k], y[k])
 
 
 def test_tensorboard_and_wandb_offline(tmp_path, stdlib_data):

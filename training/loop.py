@@ -464,7 +464,7 @@ class Trainer:
         accum = t_cfg.gradient_accumulation_steps
         set_lr(optimizer, lr / t_cfg.learning_rate)
         backend.seed_rng(step_seed(t_cfg.seed, backend.rank, self.state.step))
-        micro_losses = []
+        micro_losses, micro_metrics = [], []
         for micro in range(accum):
             bad_batch = False
             try:
@@ -482,6 +482,7 @@ class Trainer:
                 out.logits = None  # [batch, seq, vocab], unused: free it now (and keep it out of XLA's outputs)
                 (out.loss / accum).backward()
             micro_losses.append(out.loss.detach().float() * self.loss_factor[bad_batch])  # NaN: skipped everywhere
+            micro_metrics.append(out.metrics)
         backend.sync()  # XLA: the update is its own graph, the same for every accumulation
         backend.reduce_gradients(optimizer)
         grads = [p.grad for p in self.params if p.grad is not None]
@@ -489,6 +490,10 @@ class Trainer:
         if t_cfg.grad_clip > 0:
             torch.nn.utils.clip_grads_with_norm_(self.params, t_cfg.grad_clip, grad_norm)
         loss = micro_losses[0] if accum == 1 else torch.stack(micro_losses).mean()
+        # the model's statistics of the whole batch, as the loss: the micro-batches' mean, taken
+        # here (an add inside the micro-steps would make the first one's graph differ from the rest)
+        model_metrics = micro_metrics[0] if accum == 1 else {
+            k: torch.stack([m[k].float() for m in micro_metrics]).mean() for k in micro_metrics[0]}
         # skip or not: decided together, on the replicas' mean loss and the reduced gradients'
         # norm (a loss that is not finite on one replica only must not skip the step there alone)
         ok = torch.isfinite(backend.mean_across(loss)) & torch.isfinite(grad_norm)
@@ -500,7 +505,7 @@ class Trainer:
         self.worst_streak = torch.maximum(self.worst_streak, self.streak)
         self.skipped = self.skipped + bad
         values = {"loss": loss, "grad_norm": grad_norm, "_skipped": self.skipped,
-                  "_worst_streak": self.worst_streak, **out.metrics}
+                  "_worst_streak": self.worst_streak, **model_metrics}
         self.value_names = list(values)
         return backend.mean_across(torch.stack([backend.whole(v).float() for v in values.values()]))
 
