@@ -383,6 +383,10 @@ def export(args) -> str:
     why_remote = llama_incompatibility(cfg)
     kind = "LlamaForCausalLM" if why_remote is None else f"NashMHCForCausalLM, remote code ({why_remote})"
     say(f"{where} (step {ckpt.get('step', '?')}): {model.num_params() / 1e6:.2f}M parameters -> {kind}")
+    if why_remote is None and cfg.dropout > 0:
+        say(f"warning: model.dropout={cfg.dropout} has no place in LlamaForCausalLM (no dropout on the "
+            "embedding or the sub-layer outputs): the same outputs in inference; fine-tuned in "
+            "transformers, it trains without dropout")
     for line in vocab_lines:
         say(line)
     step = ckpt.get("step")

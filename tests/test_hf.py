@@ -119,7 +119,7 @@ def test_baseline_exports_as_plain_llama(tmp_path, stdlib_data, capsys):
     from tokenizers import Tokenizer
 
     ours = make_run(tmp_path / "run", stdlib_data, step=5, **BASELINE)
-    newest = make_run(tmp_path / "run", stdlib_data, step=7, seed=1, rope_theta=50000.0, **BASELINE)
+    newest = make_run(tmp_path / "run", stdlib_data, step=7, seed=1, rope_theta=50000.0, dropout=0.1, **BASELINE)
     (tmp_path / "run" / "ckpt_00000009.pt").write_bytes(b"truncated")  # newest file, corrupt: skipped
     (tmp_path / "run" / "metrics.jsonl").write_text(
         '{"step": 5, "loss": 4.0, "eval_loss": 3.5}\n{"step": 7, "loss": 3.0, "eval_loss": 3.25}\n{"step": 7, "lo')
@@ -127,6 +127,8 @@ def test_baseline_exports_as_plain_llama(tmp_path, stdlib_data, capsys):
     assert export(tmp_path / "run", out, "--max-shard-size", "150KB") == 0
     err = capsys.readouterr().err
     assert "ckpt_00000009.pt" in err and "ckpt_00000007.pt" in err and "LlamaForCausalLM" in err
+    # Llama has no dropout of ours: said, not dropped silently (the outputs below are the same)
+    assert "export_hf.py: warning: model.dropout=0.1 has no place in LlamaForCausalLM" in err, err
     assert not list(out.glob("*.py"))  # no remote code
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "llama" and "auto_map" not in config and config["dtype"] == "float32"
