@@ -1667,6 +1667,34 @@ def test_peak_follows_the_training_precision(name, bf16, fp32):
     assert (peak_flops_for(name, "bf16"), peak_flops_for(name, "fp32")) == (bf16, fp32)
 
 
+GRAVITON2 = ("fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm lrcpc dcpop "
+             "asimddp ssbs")
+
+
+@pytest.mark.parametrize("line, native", [
+    ("flags\t\t: fpu vme de pse tsc msr sse sse2 avx avx2 avx512f avx512bw avx512vl avx512_vnni", False),
+    ("flags\t\t: fpu sse2 avx2 avx512f avx512_bf16 avx512_vnni", True),          # Cooper Lake, Zen 4
+    ("flags\t\t: fpu sse2 avx2 avx512f amx_bf16 amx_tile amx_int8", True),        # Sapphire Rapids
+    (f"Features\t: {GRAVITON2}", False),
+    (f"Features\t: {GRAVITON2} sve svebf16 i8mm bf16 dgh rng", True),             # Graviton3
+    ("processor\t: 0", False),                                                     # no flags line
+])
+def test_native_cpu_bf16_reads_x86_flags_and_arm_features(tmp_path, line, native, monkeypatch):
+    """The bf16-on-CPU warning's test: x86's flags and Arm's features (an aarch64 machine with
+    BF16 was warned that its bf16 is emulated); no cpuinfo (macOS) is not native."""
+    import warnings
+    from training import backend as B
+    info = tmp_path / "cpuinfo"
+    info.write_text(f"processor\t: 0\nmodel name\t: a CPU\n{line}\n\n")
+    assert B.native_cpu_bf16(str(info)) is native
+    assert B.native_cpu_bf16(str(tmp_path / "none")) is False
+    monkeypatch.setattr(B, "native_cpu_bf16", lambda: native)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        assert B.TorchBackend("cpu").autocast_dtype("bf16") is torch.bfloat16
+    assert [str(w.message).startswith("this CPU has no native bf16") for w in said] == ([] if native else [True])
+
+
 def test_one_ctrl_c_delivered_twice_is_one_stop_and_a_later_one_exits(monkeypatch):
     """A terminal's Ctrl+C reaches a worker from its process group and again from the launcher
     (torchrun passes SIGINT on, so does train_xla.py): that is one request to stop and save. A

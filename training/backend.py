@@ -369,12 +369,16 @@ def compile_region(fn: Callable) -> Callable:
     return region
 
 
-def _cpu_flags() -> str:
+def native_cpu_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether this CPU computes bf16 natively, as Linux's ``cpuinfo`` says: x86's ``avx512_bf16``
+    or ``amx_bf16`` flags, or Arm's ``bf16`` feature (Graviton3, Neoverse V1/N2 and later). False
+    where the file cannot be read (macOS)."""
     try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
+        with open(cpuinfo) as f:
+            line = next((ln for ln in f if ln.startswith(("flags", "Features"))), "")
     except OSError:
-        return ""
+        return False
+    return bool({"avx512_bf16", "amx_bf16", "bf16"} & set(line.partition(":")[2].split()))
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -520,10 +524,9 @@ class TorchBackend(Backend):
         if self.device.type == "mps":
             warnings.warn("bf16 autocast is not reliable on MPS: training in fp32")
             return None
-        flags = _cpu_flags() if self.device.type == "cpu" else ""
-        if self.device.type == "cpu" and "avx512_bf16" not in flags and "amx_bf16" not in flags:
-            warnings.warn("this CPU has no native bf16 (AVX512-BF16/AMX): bf16 autocast is emulated "
-                          "and many times slower than fp32; set training.precision=fp32")
+        if self.device.type == "cpu" and not native_cpu_bf16():
+            warnings.warn("this CPU has no native bf16 (x86 AVX512-BF16/AMX, Arm BF16): bf16 autocast is "
+                          "emulated and many times slower than fp32; set training.precision=fp32")
         return torch.bfloat16
 
     def prepare_model(self, model: nn.Module, cfg) -> nn.Module:
