@@ -202,13 +202,26 @@ needs_torchrun = pytest.mark.skipif(not Path(TORCHRUN).exists(), reason="torchru
 
 
 @pytest.fixture(scope="module")
-def one_process(tmp_path_factory, stdlib_data) -> dict[int, float]:
-    """Losses of 20 steps of train.py in one process with the global batch (4): what DDP and
-    FSDP2 runs of 2 processes x batch 2 must reproduce."""
+def one_process_run(tmp_path_factory, stdlib_data) -> Path:
+    """The run directory of 20 steps of train.py in one process with the global batch (4): what
+    DDP and FSDP2 runs of 2 processes x batch 2 must reproduce."""
     d = tmp_path_factory.mktemp("one")
     r = run(["train.py", str(tiny_config(d, stdlib_data, **{"checkpoint.interval": 0}))])
     assert r.returncode == 0, r.stderr[-3000:]
-    return losses(d / "run")
+    return d / "run"
+
+
+@pytest.fixture(scope="module")
+def one_process(one_process_run) -> dict[int, float]:
+    return losses(one_process_run)
+
+
+def same_grad_norms(run_dir: Path, reference: Path, rel: float) -> None:
+    """Every step's logged gradient norm (the reduced gradient's, as clipped) is the reference's."""
+    a, b = ({m["step"]: m["grad_norm"] for m in metrics(d) if "grad_norm" in m} for d in (reference, run_dir))
+    assert sorted(a) == sorted(b) and a, (sorted(a), sorted(b))
+    for step in a:
+        assert abs(a[step] - b[step]) <= rel * a[step], (step, a[step], b[step])
 
 
 def torchrun(cfg, *overrides, env=None, **kw):
@@ -218,7 +231,8 @@ def torchrun(cfg, *overrides, env=None, **kw):
 
 
 @needs_torchrun
-def test_ddp_two_processes_match_one_process_with_twice_the_batch(tmp_path, stdlib_data, one_process):
+def test_ddp_two_processes_match_one_process_with_twice_the_batch(tmp_path, stdlib_data, one_process,
+                                                                   one_process_run):
     cfg = tiny_config(tmp_path, stdlib_data, **{"checkpoint.interval": 0})
     proc = torchrun(cfg)
     out, err = proc.communicate(timeout=600)
@@ -227,11 +241,13 @@ def test_ddp_two_processes_match_one_process_with_twice_the_batch(tmp_path, stdl
     assert sorted(one_process) == sorted(b) == list(range(1, 21))
     for step in b:
         assert abs(one_process[step] - b[step]) <= 1e-4 * abs(one_process[step]), step
+    same_grad_norms(tmp_path / "run", one_process_run, 1e-4)   # the replicas' mean gradient
 
 
 @needs_torchrun
 @pytest.mark.slow
-def test_fsdp2_two_processes_match_one_process_with_twice_the_batch(tmp_path, stdlib_data, one_process):
+def test_fsdp2_two_processes_match_one_process_with_twice_the_batch(tmp_path, stdlib_data, one_process,
+                                                                     one_process_run):
     """FSDP2 (parameters, gradients, AdamW state sharded over 2 processes) trains like one
     process with the global batch; its checkpoints are committed DCP directories."""
     cfg = tiny_config(tmp_path, stdlib_data, **{"training.fsdp": True, "checkpoint.interval": 10,
@@ -244,6 +260,7 @@ def test_fsdp2_two_processes_match_one_process_with_twice_the_batch(tmp_path, st
     assert sorted(b) == list(range(1, 21))
     for step in b:  # fp32: only the order of the gradient sums differs
         assert abs(one_process[step] - b[step]) <= 1e-5 * abs(one_process[step]), step
+    same_grad_norms(tmp_path / "run", one_process_run, 1e-4)   # the norm of the sharded gradients, whole
     run_dir = tmp_path / "run"
     for name in ("ckpt_00000010", "ckpt_00000020"):
         files = sorted(p.name for p in (run_dir / name).iterdir())
