@@ -43,7 +43,7 @@ import torch
 import yaml
 
 from prepare_data import TOKENIZER_FILES, DataError, TokenizerSpec, install
-from training.checkpoint import FORMAT_VERSION, CheckpointError, atomic_torch_save, check_checkpoint_out
+from training.checkpoint import FORMAT_VERSION, CheckpointError, check_checkpoint_out, write_checkpoint_file
 from training.config import Config, ConfigError
 from training.data import tokenizer_difference, unverified_tokenizer_warning
 from training.hf import (SAME_IDS_AS, from_llama_state_dict, llama_incompatibility, load_llama,
@@ -472,7 +472,7 @@ def import_llama(args) -> str:
     # learning rate, a precision) would pass for this checkpoint's training, and sample.py and an
     # export would take the tokenizer of whatever data/stdlib holds here instead of asking for it.
     run_config = {"model": Config(model=cfg).to_dict()["model"]}
-    atomic_torch_save({
+    write_checkpoint_file({
         "format_version": FORMAT_VERSION,
         "model": model.state_dict(),   # weights only: start a run from it with checkpoint.init_from
         "config": run_config,

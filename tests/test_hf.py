@@ -558,12 +558,29 @@ def test_overwrite_never_replaces_a_model_directory_transformers_wrote(tmp_path,
     assert not list(tmp_path.glob(".llama*"))
 
 
-def test_import_overwrite_replaces_an_earlier_checkpoint_only(tmp_path, llama_dir, capsys):
+def test_import_overwrite_replaces_an_earlier_checkpoint_only(tmp_path, llama_dir, capsys, monkeypatch):
     """--import OUT.pt --overwrite replaces a checkpoint (an earlier import); a file of anything
-    else at OUT (here a data shard: a mistyped path) is refused in one line and left as it was."""
+    else at OUT (here a data shard: a mistyped path) is refused in one line and left as it was,
+    and so is OUT when the disk fills during the write."""
+    from training import checkpoint
     hf_dir, _ = llama_dir
     out = tmp_path / "init.pt"
     assert export("--import", hf_dir, out) == 0
+    first = out.read_bytes()
+
+    def full_disk(obj, path):   # what torch's writer raises when the disk is full
+        with open(path, "wb") as f:
+            f.write(b"PK\x03\x04 half")
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . PytorchStreamWriter failed writing "
+                           "file data/3: file write failed")
+    with monkeypatch.context() as m:
+        m.setattr(checkpoint.torch, "save", full_disk)
+        assert export("--import", hf_dir, out, "--overwrite") == 2
+    assert one_error_line(capsys.readouterr().err) == (
+        f"export_hf.py: error: {out}: cannot write ([enforce fail at inline_container.cc:672] . "
+        "PytorchStreamWriter failed writing file data/3: file write failed)")
+    assert out.read_bytes() == first
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != hf_dir.name) == ["init.pt"]   # no temporary left
     assert export("--import", hf_dir, out) == 2
     assert one_error_line(capsys.readouterr().err).endswith(f"{out}: exists (pass --overwrite to replace it)")
     assert export("--import", hf_dir, out, "--overwrite") == 0 and load_checkpoint(out)["step"] == 0

@@ -490,11 +490,18 @@ def consolidate(src: str | Path, out: str | Path, model_only: bool = False,
     out = Path(out)
     check_checkpoint_out(out, overwrite)
     ckpt = load_checkpoint(src, with_optimizer=not model_only)
-    try:
-        atomic_torch_save(ckpt, out)
-    except (OSError, RuntimeError) as e:  # torch's writer reports a full disk as a RuntimeError
-        raise CheckpointError(f"{out}: cannot write ({first_line(e)})") from None
+    write_checkpoint_file(ckpt, out)
     return ckpt
+
+
+def write_checkpoint_file(obj: dict, out: Path) -> None:
+    """A tool's ``atomic_torch_save``: a write that fails (a full disk, which torch's writer
+    reports as a RuntimeError; a directory that cannot be written) is a one-line CheckpointError,
+    and ``out`` is left as it was."""
+    try:
+        atomic_torch_save(obj, out)
+    except (OSError, RuntimeError) as e:
+        raise CheckpointError(f"{out}: cannot write ({first_line(e)})") from None
 
 
 # -- rotation and clean-up (master only) ----------------------------------------------------------
