@@ -860,7 +860,12 @@ def test_import_tied_llama(tmp_path):
 def test_import_refuses_what_the_baseline_cannot_represent(tmp_path, llama_dir, capsys):
     hf_dir, _ = llama_dir
     cfg = json.loads((hf_dir / "config.json").read_text())
+    heads = cfg["num_attention_heads"]
     for key, value, expect in (("mlp_bias", True, "mlp_bias"), ("hidden_act", "gelu", "hidden_act"),
+                               ("attention_bias", True, "attention_bias=true"),
+                               ("head_dim", 2 * cfg["hidden_size"] // heads,   # Gemma-style wide heads
+                                f"head_dim={2 * cfg['hidden_size'] // heads} x num_attention_heads={heads} "
+                                f"!= hidden_size={cfg['hidden_size']}"),
                                ("rope_parameters", {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4},
                                 "rope_type")):
         (hf_dir / "config.json").write_text(json.dumps({**cfg, key: value}))
