@@ -140,13 +140,15 @@ def _free_port() -> int:
 
 def model_config(args, module=None, tp: int = 1):
     """The benchmark's model: ``--d-model`` wide, ``--layers`` deep, heads of 64, kv heads of 128,
-    at least ``tp`` of each (tensor parallelism splits whole heads: ``config.check_xla``)
-    (``module``: the model.py to take the config class from; this checkout's by default)."""
+    their counts rounded up to multiples of ``tp`` (tensor parallelism splits whole heads:
+    ``config.check_xla``) and the heads' to a multiple of the kv heads' (``module``: the model.py
+    to take the config class from; this checkout's by default)."""
     if module is None:
         import model as module
+    kv = -(-max(1, args.d_model // 128) // tp) * tp
+    heads = -(-max(1, args.d_model // 64) // kv) * kv
     return module.ModelConfig(vocab_size=4096, d_model=args.d_model, n_layers=args.layers,
-                              n_heads=max(tp, args.d_model // 64), n_kv_heads=max(tp, args.d_model // 128),
-                              max_seq_len=args.seq)
+                              n_heads=heads, n_kv_heads=kv, max_seq_len=args.seq)
 
 
 def model_and_optimizer(backend, cfg, args, module=None, tp: int = 1):

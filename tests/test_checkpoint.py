@@ -313,12 +313,28 @@ def test_consolidate_writes_one_weights_only_file(tmp_path):
     assert r.returncode == 2 and "Traceback" not in r.stderr and f"{blocked}: cannot write" in r.stderr
     r = run(["-m", "training.checkpoint", "consolidate", str(src), "/dev/null", "--overwrite"])
     assert r.returncode == 2 and "/dev/null: not a regular file" in r.stderr and Path("/dev/null").is_char_device()
-    text = tmp_path / "notes.txt"   # not a checkpoint: --overwrite leaves it as it is
+    # --overwrite replaces a torch.save file only: not one of anything else (a mistyped OUT) ...
+    import zipfile
+    text, archive = tmp_path / "notes.txt", tmp_path / "notes.zip"
     text.write_text("mine")
-    r = run(["-m", "training.checkpoint", "consolidate", str(src), str(text), "--overwrite"])
-    assert r.returncode == 2 and (f"{text}: not a loadable checkpoint (its bytes are not torch.save's zip "
-                                  "format); --overwrite replaces a checkpoint only") in r.stderr, r.stderr
-    assert text.read_text() == "mine"
+    with zipfile.ZipFile(archive, "w") as z:
+        z.writestr("notes/readme.txt", "mine")
+    for path, what in ((text, "its bytes are not torch.save's zip format"),
+                       (archive, "a zip archive torch.save did not write")):
+        before = path.read_bytes()
+        r = run(["-m", "training.checkpoint", "consolidate", str(src), str(path), "--overwrite"])
+        assert r.returncode == 2 and (f"{path}: not a checkpoint ({what}); --overwrite replaces a checkpoint "
+                                      "only") in r.stderr, r.stderr
+        assert path.read_bytes() == before
+    # ... but a checkpoint it cannot load is still one: a newer format's, a copy cut short, an empty file
+    newer, cut, empty = tmp_path / "newer.pt", tmp_path / "cut.pt", tmp_path / "empty.pt"
+    torch.save({**ref, "format_version": FORMAT_VERSION + 1}, newer)
+    cut.write_bytes(out.read_bytes()[:4096])
+    empty.write_bytes(b"")
+    for path in (newer, cut, empty):
+        r = run(["-m", "training.checkpoint", "consolidate", str(src), str(path), "--overwrite", "--model-only"])
+        assert r.returncode == 0, r.stderr
+        assert load_checkpoint(path)["step"] == 7
     foreign = tmp_path / "foreign.pt"
     for bad, said in [({"format_version": "2"}, "not a Nash-MHC checkpoint (format_version '2' is not an integer)"),
                       ({"format_version": 2}, "missing or malformed 'step'"),

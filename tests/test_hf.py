@@ -589,7 +589,7 @@ def test_import_overwrite_replaces_an_earlier_checkpoint_only(tmp_path, llama_di
     before = shard.read_bytes()
     assert export("--import", hf_dir, shard, "--overwrite") == 2
     assert one_error_line(capsys.readouterr().err).endswith(
-        f"{shard}: not a loadable checkpoint (its bytes are not torch.save's zip format); "
+        f"{shard}: not a checkpoint (its bytes are not torch.save's zip format); "
         "--overwrite replaces a checkpoint only")
     assert shard.read_bytes() == before
 

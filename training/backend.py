@@ -289,11 +289,11 @@ class Backend:
             return
         if self.made_group:
             dist.destroy_process_group()
-            return
-        for group in (self.host.group, self.ckpt_group):
-            if group is not None:
-                dist.destroy_process_group(group)
-        self.host, self.ckpt_group = HostGroup(), None
+        else:
+            for group in (self.host.group, self.ckpt_group):
+                if group is not None:
+                    dist.destroy_process_group(group)
+        self.host, self.ckpt_group, self.made_group = HostGroup(), None, False
 
 
 class OnDevice:

@@ -48,6 +48,7 @@ import sys
 import threading
 import time
 import warnings
+import zipfile
 from pathlib import Path, PurePosixPath, PureWindowsPath, PosixPath, WindowsPath
 from typing import Any, Callable
 
@@ -285,22 +286,31 @@ def _dcp_meta(ckpt_dir: Path) -> dict:
     return meta
 
 
-def _file_kind(path: Path, e: Exception) -> str:
-    """What a file torch.load cannot read is, from its first bytes: torch's own message for a
-    zip (torch.save's format), which names what is wrong inside; else what the bytes say."""
+def _header_kind(path: Path) -> str:
+    """A file's kind from its first bytes: "empty", "zip" (torch.save's format), "safetensors",
+    "other", or "unreadable"."""
     try:
         with open(path, "rb") as f:
             head = f.read(9)
     except OSError:
-        return first_line(e)
+        return "unreadable"
     if not head:
-        return "the file is empty"
+        return "empty"
     if head[:4] == b"PK\x03\x04":
-        return f"a truncated or corrupt torch.save file: {first_line(e)}"
+        return "zip"
     if len(head) == 9 and head[8:9] == b"{":  # an 8-byte header length, then the JSON header
-        return ("a safetensors file, weights alone: a Hugging Face model's directory is loaded with "
-                "transformers, and a Llama's starts a run with checkpoint.init_from")
-    return "its bytes are not torch.save's zip format"
+        return "safetensors"
+    return "other"
+
+
+def _file_kind(path: Path, e: Exception) -> str:
+    """What a file torch.load cannot read is, from its first bytes: torch's own message for a
+    zip (torch.save's format), which names what is wrong inside; else what the bytes say."""
+    return {"unreadable": first_line(e), "empty": "the file is empty",
+            "zip": f"a truncated or corrupt torch.save file: {first_line(e)}",
+            "safetensors": ("a safetensors file, weights alone: a Hugging Face model's directory is loaded "
+                            "with transformers, and a Llama's starts a run with checkpoint.init_from"),
+            }.get(_header_kind(path), "its bytes are not torch.save's zip format")
 
 
 def _load_file(path: Path, with_optimizer: bool = True) -> dict:
@@ -466,8 +476,9 @@ def resolve_checkpoint(path: str | Path, warn: Callable[[str], None] = print,
 
 def check_checkpoint_out(out: Path, overwrite: bool) -> None:
     """Before a tool writes the one-file checkpoint ``out``: it is new, or, with ``overwrite``, a
-    checkpoint (a file ``load_checkpoint`` reads), which is replaced. Never a directory, a device,
-    or a file of anything else (a data shard, a tokenizer: a mistyped path), as a CheckpointError."""
+    torch.save file (whole, or damaged by an interrupted write or copy; or empty), which is
+    replaced. Never a directory, a device, or a file of anything else (a data shard, a tokenizer,
+    safetensors: a mistyped path), as a CheckpointError."""
     if out.is_dir():
         raise CheckpointError(f"{out}: is a directory (give the file to write, e.g. {out / 'model.pt'})")
     if not out.exists():
@@ -476,10 +487,24 @@ def check_checkpoint_out(out: Path, overwrite: bool) -> None:
         raise CheckpointError(f"{out}: exists (pass --overwrite to replace it)")
     if not out.is_file():
         raise CheckpointError(f"{out}: not a regular file (a device or a socket is never replaced)")
+    what = _not_torch_save(out)
+    if what:
+        raise CheckpointError(f"{out}: not a checkpoint ({what}); --overwrite replaces a checkpoint only")
+
+
+def _not_torch_save(path: Path) -> str:
+    """What ``path`` is if it is not a torch.save file ("" if it is one, whole or truncated, or is
+    empty), from its bytes alone: nothing in it is loaded."""
+    kind = _header_kind(path)
+    if kind != "zip":
+        return {"empty": "", "safetensors": "a safetensors file", "unreadable": "it cannot be read"}.get(
+            kind, "its bytes are not torch.save's zip format")
     try:
-        _load_file(out, with_optimizer=False)   # mmap: the tensors are not read
-    except CheckpointError as e:
-        raise CheckpointError(f"{e}; --overwrite replaces a checkpoint only") from None
+        with zipfile.ZipFile(path) as z:
+            names = z.namelist()
+    except (zipfile.BadZipFile, OSError):
+        return ""   # a zip cut short: an interrupted torch.save or copy
+    return "" if any(n.endswith("/data.pkl") for n in names) else "a zip archive torch.save did not write"
 
 
 def consolidate(src: str | Path, out: str | Path, model_only: bool = False,

@@ -684,8 +684,10 @@ class Trainer:
                         exit_reason = reason
                         break
         except BaseException:
-            self.checkpointer.wait(quiet=True)  # a save in flight still commits if it can
-            self._close(after_error=True)
+            try:
+                self.checkpointer.wait(quiet=True)  # a save in flight still commits if it can
+            finally:  # a second Ctrl+C during that wait: the data workers are still stopped
+                self._close(after_error=True)
             raise
         self._close()
         return exit_reason
