@@ -141,6 +141,45 @@ print("REPORT " + json.dumps(out))
 """
 
 
+REFUSED_HOST = """
+import json, sys
+import torch.distributed as dist
+import torch_xla.runtime as xr
+rank, cfg, lr = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+xr.process_count = lambda: 2
+xr.process_index = lambda: rank
+from training.config import ConfigError, load_config
+from training.xla_backend import XLABackend
+try:
+    XLABackend(load_config(cfg, ["xla.mode=spmd", f"training.learning_rate={lr}"]))
+    out = {"error": None}
+except ConfigError as e:
+    out = {"error": str(e)}
+out["group_left"] = dist.is_initialized()
+print("REPORT " + json.dumps(out))
+"""
+
+
+@pytest.mark.xla
+def test_hosts_that_refuse_together_at_launch_leave_no_process_group(tmp_path, stdlib_data):
+    """Two SPMD hosts started with other learning rates: both refuse with the same line, and the
+    gloo group the backend made for the agreement is gone (no backend is returned to shut down:
+    the backend destroys it itself)."""
+    import socket
+    from concurrent.futures import ThreadPoolExecutor
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = tiny_config(tmp_path, stdlib_data)
+    env = {**ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    with ThreadPoolExecutor(2) as pool:
+        hosts = list(pool.map(lambda rank: script_report(REFUSED_HOST, rank, cfg, ("0.003", "0.002")[rank], env=env),
+                              (0, 1)))
+    want = ("config differs between processes: training.learning_rate is 0.003 on process 0 and 0.002 on "
+            "process 1; every process must run the same config file and overrides")
+    assert hosts == [{"error": want, "group_left": False}] * 2
+
+
 @pytest.mark.xla
 def test_a_host_whose_peers_never_come_stops_after_dist_timeout_s(tmp_path, stdlib_data):
     """torch_xla 2.9's xla:// rendezvous makes its TCP store with torch's default 300 s, whatever

@@ -526,8 +526,13 @@ class XLABackend(Backend):
         # One process looks after every step.
         self.decides_every_step = self.processes == 1
         # Before anything compiles: every process's data, config and problems, decided together
-        # (training.launch); all refuse with the same one-line error, or none does.
-        self.agree_at_launch(cfg, problem)
+        # (training.launch); all refuse with the same one-line error, or none does. No backend is
+        # returned then, for the caller to shut down: its groups are destroyed here.
+        try:
+            self.agree_at_launch(cfg, problem)
+        except BaseException:
+            self.shutdown()
+            raise
         self._specs: dict[int, tuple] = {}
         self._grad_hooks: dict[int, object] = {}
         # Log lines run in torch_xla's asynchronous step closures; wait_host() waits for them.
