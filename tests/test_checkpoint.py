@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import ENV, ROOT, losses, run, tiny_config
+from helpers import ENV, ROOT, in_process, losses, run, tiny_config
 import training.checkpoint as checkpoint_module
 from training.checkpoint import (FORMAT_VERSION, MARKER, Checkpointer, CheckpointError, atomic_torch_save,
                                  checkpoint_digest, checkpoint_path, find_latest, find_resume, list_checkpoints,
@@ -289,11 +289,15 @@ def test_dcp_metadata_may_hold_tensor_entries_in_its_own_files_only(tmp_path):
         load_checkpoint(path)
 
 
-def test_consolidate_writes_one_weights_only_file(tmp_path):
+def test_consolidate_writes_one_weights_only_file(tmp_path, capsys):
+    from training.checkpoint import main as checkpoint_main
+    # the first run is the command line; the others call its main in this process (the same exit
+    # status and stderr; 3 s of interpreter start each, a dozen times)
+    consolidate_cli = lambda args: in_process(checkpoint_main, args, capsys)  # noqa: E731
     model, opt, backend, ck = _setup(True, run_dir=tmp_path / "run")
     src = ck.save(_meta(7), model, opt, "test")
     out = tmp_path / "model.pt"
-    r = run(["-m", "training.checkpoint", "consolidate", str(tmp_path / "run"), str(out)])
+    r = run(["-m", "training.checkpoint", "consolidate", str(tmp_path / "run"), str(out)])  # the command
     assert r.returncode == 0, r.stderr[-2000:]
     one = torch.load(out, weights_only=True)
     ref = load_checkpoint(src)
@@ -301,17 +305,17 @@ def test_consolidate_writes_one_weights_only_file(tmp_path):
     assert all(torch.equal(one["model"][k], v) for k, v in ref["model"].items())
     assert torch.equal(one["optimizer"]["state"]["tok_emb.weight"]["exp_avg"],
                        ref["optimizer"]["state"]["tok_emb.weight"]["exp_avg"])
-    r = run(["-m", "training.checkpoint", "consolidate", str(src), str(out)])
+    r = consolidate_cli(["consolidate", str(src), str(out)])
     assert r.returncode == 2 and "exists" in r.stderr  # never replaced silently
-    r = run(["-m", "training.checkpoint", "consolidate", str(src), str(out), "--overwrite", "--model-only"])
+    r = consolidate_cli(["consolidate", str(src), str(out), "--overwrite", "--model-only"])
     assert r.returncode == 0 and "optimizer" not in torch.load(out, weights_only=True)
-    r = run(["-m", "training.checkpoint", "consolidate", str(src), str(tmp_path), "--overwrite"])
+    r = consolidate_cli(["consolidate", str(src), str(tmp_path), "--overwrite"])
     assert r.returncode == 2 and "Traceback" not in r.stderr and f"{tmp_path}: is a directory" in r.stderr
     blocked = tmp_path / "a_file" / "model.pt"  # its parent is a file: nothing can be written there
     (tmp_path / "a_file").write_text("x")
-    r = run(["-m", "training.checkpoint", "consolidate", str(src), str(blocked)])
+    r = consolidate_cli(["consolidate", str(src), str(blocked)])
     assert r.returncode == 2 and "Traceback" not in r.stderr and f"{blocked}: cannot write" in r.stderr
-    r = run(["-m", "training.checkpoint", "consolidate", str(src), "/dev/null", "--overwrite"])
+    r = consolidate_cli(["consolidate", str(src), "/dev/null", "--overwrite"])
     assert r.returncode == 2 and "/dev/null: not a regular file" in r.stderr and Path("/dev/null").is_char_device()
     # --overwrite replaces a torch.save file only: not one of anything else (a mistyped OUT) ...
     import zipfile
@@ -322,7 +326,7 @@ def test_consolidate_writes_one_weights_only_file(tmp_path):
     for path, what in ((text, "its bytes are not torch.save's zip format"),
                        (archive, "a zip archive torch.save did not write")):
         before = path.read_bytes()
-        r = run(["-m", "training.checkpoint", "consolidate", str(src), str(path), "--overwrite"])
+        r = consolidate_cli(["consolidate", str(src), str(path), "--overwrite"])
         assert r.returncode == 2 and (f"{path}: not a checkpoint ({what}); --overwrite replaces a checkpoint "
                                       "only") in r.stderr, r.stderr
         assert path.read_bytes() == before
@@ -332,7 +336,7 @@ def test_consolidate_writes_one_weights_only_file(tmp_path):
     cut.write_bytes(out.read_bytes()[:4096])
     empty.write_bytes(b"")
     for path in (newer, cut, empty):
-        r = run(["-m", "training.checkpoint", "consolidate", str(src), str(path), "--overwrite", "--model-only"])
+        r = consolidate_cli(["consolidate", str(src), str(path), "--overwrite", "--model-only"])
         assert r.returncode == 0, r.stderr
         assert load_checkpoint(path)["step"] == 7
     foreign = tmp_path / "foreign.pt"
@@ -341,7 +345,7 @@ def test_consolidate_writes_one_weights_only_file(tmp_path):
                       ({**ref, "data": {"epoch": 0, "offset": "3"}}, "missing or malformed 'data' (epoch and offset)"),
                       ({**ref, "rng": None}, "missing or malformed 'rng'")]:
         torch.save({"model": {}, **bad}, foreign)
-        r = run(["-m", "training.checkpoint", "consolidate", str(foreign), str(tmp_path / "f.pt")])
+        r = consolidate_cli(["consolidate", str(foreign), str(tmp_path / "f.pt")])
         assert r.returncode == 2 and "Traceback" not in r.stderr and f"{foreign}: {said}" in r.stderr, r.stderr
 
 
