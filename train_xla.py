@@ -50,12 +50,18 @@ def _libtpu_found() -> bool:
     return importlib.util.find_spec("libtpu") is not None
 
 
+def _tpu_device_nodes() -> bool:
+    """Whether this machine has TPU device nodes: ``/dev/accel*`` (v2-v4, v5p) or ``/dev/vfio/N``
+    (v5e, v6e), what libtpu opens."""
+    return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
+
+
 def _default_pjrt_device() -> None:
     if "PJRT_DEVICE" in os.environ:
         return
     # as torch_xla's own default: the TPU runtime installed *and* TPU chips here (a TPU image
     # without a TPU, e.g. a CPU CI job, has libtpu and no device)
-    on_tpu = _libtpu_found() and bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
+    on_tpu = _libtpu_found() and _tpu_device_nodes()
     os.environ["PJRT_DEVICE"] = "TPU" if on_tpu else "CPU"
     if not on_tpu:
         print("train_xla.py: no TPU found: using PJRT_DEVICE=CPU (set PJRT_DEVICE to choose)",
@@ -94,6 +100,11 @@ def _check_pjrt_device(cfg) -> None:
         if tpu.num_available_chips() == 0:
             raise ConfigError(f"PJRT_DEVICE={value}, but this machine has no TPU chip (torch_xla finds none "
                               "on its PCI bus); on a machine without a TPU use PJRT_DEVICE=CPU")
+    elif kind == "TPU" and not _tpu_device_nodes():
+        # one process (SPMD, xla.nprocs=1): libtpu finds the chips itself, a generation newer than
+        # torch_xla's PCI table too, but none without their device nodes (torch_xla's traceback)
+        raise ConfigError(f"PJRT_DEVICE={value}, but this machine has no TPU device (no /dev/accel* or "
+                          "/dev/vfio/N); on a machine without a TPU use PJRT_DEVICE=CPU")
 
 
 def _worker(index: int, cfg) -> None:

@@ -549,18 +549,22 @@ import train_xla
 from training.config import ConfigError
 
 out = {}
-for value, libtpu, chips, mode in (("CPU", False, 0, "ddp"), ("cpu", False, 0, "ddp"), ("GPU", False, 0, "ddp"),
-                                   ("TPU", False, 4, "ddp"), ("TPU", True, 0, "ddp"), ("TPU", True, 0, "spmd"),
-                                   ("TPU", True, 4, "ddp"), ("TPU_C_API", True, 4, "ddp")):
+# (PJRT_DEVICE, libtpu, chips on the PCI bus as torch_xla counts them, TPU device nodes, mode)
+for value, libtpu, chips, nodes, mode in (
+        ("CPU", False, 0, False, "ddp"), ("cpu", False, 0, False, "ddp"), ("GPU", False, 0, False, "ddp"),
+        ("TPU", False, 4, True, "ddp"), ("TPU", True, 0, False, "ddp"), ("TPU", True, 0, True, "spmd"),
+        ("TPU", True, 0, False, "spmd"), ("TPU", True, 4, True, "ddp"), ("TPU_C_API", True, 4, True, "ddp")):
     os.environ["PJRT_DEVICE"] = value
     train_xla._libtpu_found = lambda: libtpu
-    tpu.num_available_chips = lambda: chips   # torch_xla's count of TPU chips on the PCI bus
+    train_xla._tpu_device_nodes = lambda: nodes
+    tpu.num_available_chips = lambda: chips
     cfg = SimpleNamespace(xla=SimpleNamespace(mode=mode, nprocs=None))
+    key = f"{value} {libtpu} {chips} {nodes} {mode}"
     try:
         train_xla._check_pjrt_device(cfg)
-        out[f"{value} {libtpu} {chips} {mode}"] = None
+        out[key] = None
     except ConfigError as e:
-        out[f"{value} {libtpu} {chips} {mode}"] = str(e)
+        out[key] = str(e)
 print("REPORT " + json.dumps(out))
 """
 
@@ -569,16 +573,22 @@ def test_a_pjrt_device_torch_xla_cannot_run_is_one_line_naming_it(tmp_path, stdl
     """PJRT_DEVICE=cpu was a worker's bare ``KeyError: 'cpu'`` said to have a traceback above it
     (none was), TPU without libtpu a traceback, TPU without a chip ``max_workers must be greater
     than 0``: each is now one line naming PJRT_DEVICE, before anything starts. xmp.spawn counts
-    the chips (a process each), so only ddp mode needs one found on the PCI bus."""
+    the chips (a process each), so only ddp mode needs one found on the PCI bus; one process (SPMD)
+    needs the TPU's device nodes (libtpu finds chips newer than torch_xla's PCI table), and
+    without them was torch_xla's traceback."""
     out = script_report(PJRT_DEVICES, env=ENV)
     no_libtpu = ("PJRT_DEVICE=TPU, but libtpu (pip install torch_xla[tpu]) is not installed here; on a machine "
                  "without that device use PJRT_DEVICE=CPU (or unset it: train_xla.py finds the device)")
-    assert out.pop("cpu False 0 ddp").endswith("; did you mean CPU?")
-    assert out.pop("GPU False 0 ddp").startswith("PJRT_DEVICE=GPU: torch_xla has no device of that name (here: CPU, ")
-    assert out == {"CPU False 0 ddp": None, "TPU False 4 ddp": no_libtpu,
-                   "TPU True 0 ddp": "PJRT_DEVICE=TPU, but this machine has no TPU chip (torch_xla finds none on "
-                                     "its PCI bus); on a machine without a TPU use PJRT_DEVICE=CPU",
-                   "TPU True 0 spmd": None, "TPU True 4 ddp": None, "TPU_C_API True 4 ddp": None}
+    assert out.pop("cpu False 0 False ddp").endswith("; did you mean CPU?")
+    assert out.pop("GPU False 0 False ddp").startswith(
+        "PJRT_DEVICE=GPU: torch_xla has no device of that name (here: CPU, ")
+    assert out == {"CPU False 0 False ddp": None, "TPU False 4 True ddp": no_libtpu,
+                   "TPU True 0 False ddp": "PJRT_DEVICE=TPU, but this machine has no TPU chip (torch_xla finds none "
+                                           "on its PCI bus); on a machine without a TPU use PJRT_DEVICE=CPU",
+                   "TPU True 0 True spmd": None,
+                   "TPU True 0 False spmd": "PJRT_DEVICE=TPU, but this machine has no TPU device (no /dev/accel* or "
+                                            "/dev/vfio/N); on a machine without a TPU use PJRT_DEVICE=CPU",
+                   "TPU True 4 True ddp": None, "TPU_C_API True 4 True ddp": None}
     r = run(["train_xla.py", str(tiny_config(tmp_path, stdlib_data))], env={**ENV, "PJRT_DEVICE": "cpu"})
     assert r.returncode == 2 and r.stderr.splitlines() == [
         "train_xla.py: error: PJRT_DEVICE=cpu: torch_xla has no device of that name (here: "
