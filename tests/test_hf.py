@@ -583,6 +583,9 @@ def test_import_overwrite_replaces_an_earlier_checkpoint_only(tmp_path, llama_di
     assert sorted(p.name for p in tmp_path.iterdir() if p.name != hf_dir.name) == ["init.pt"]   # no temporary left
     assert export("--import", hf_dir, out) == 2
     assert one_error_line(capsys.readouterr().err).endswith(f"{out}: exists (pass --overwrite to replace it)")
+    assert export("--import", hf_dir, tmp_path, "--overwrite") == 2   # a directory is never OUT.pt
+    assert one_error_line(capsys.readouterr().err).endswith(
+        f"{tmp_path}: is a directory (give the file to write, e.g. {tmp_path / 'model.pt'})")
     assert export("--import", hf_dir, out, "--overwrite") == 0 and load_checkpoint(out)["step"] == 0
     shard = tmp_path / "train_000.npy"
     np.save(shard, np.arange(10, dtype=np.uint16))
