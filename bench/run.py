@@ -105,7 +105,7 @@ BUDGETS = {
                     compile_layers=[2, 8, 28], compile_d_model=64, compile_repeats=2),
     },
     "quick": {
-        "learning": dict(seeds=1, tokens=8 * 16 * 256, evals=2, logs_per_eval=2, warmup_fraction=1 / 4,
+        "learning": dict(seeds=1, tokens=8 * 8 * 256, evals=2, logs_per_eval=2, warmup_fraction=1 / 4,
                          eval_tokens=8192),
         "speed": dict(shapes=[(512, 4), (2048, 1)], warmup=1, repeats=2,
                       gpu_seqs=[1024], gpu_tokens=16384, gpu_warmup=2, gpu_repeats=3),
