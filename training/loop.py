@@ -489,11 +489,10 @@ class Trainer:
         grad_norm = backend.grad_norm(grads)
         if t_cfg.grad_clip > 0:
             torch.nn.utils.clip_grads_with_norm_(self.params, t_cfg.grad_clip, grad_norm)
-        loss = micro_losses[0] if accum == 1 else torch.stack(micro_losses).mean()
-        # the model's statistics of the whole batch, as the loss: the micro-batches' mean, taken
+        # the loss and the model's statistics of the whole batch: the micro-batches' means, taken
         # here (an add inside the micro-steps would make the first one's graph differ from the rest)
-        model_metrics = micro_metrics[0] if accum == 1 else {
-            k: torch.stack([m[k].float() for m in micro_metrics]).mean() for k in micro_metrics[0]}
+        loss = _micro_mean(micro_losses)
+        model_metrics = {k: _micro_mean([m[k].float() for m in micro_metrics]) for k in micro_metrics[0]}
         # skip or not: decided together, on the replicas' mean loss and the reduced gradients'
         # norm (a loss that is not finite on one replica only must not skip the step there alone)
         ok = torch.isfinite(backend.mean_across(loss)) & torch.isfinite(grad_norm)
@@ -758,6 +757,11 @@ class Trainer:
                           f"{last['eval_loss']:.4f} (ppl {last['eval_ppl']:.2f})")
         self.backend.finish(self.log_dir, self.log_line)
         return 0
+
+
+def _micro_mean(values: list[torch.Tensor]) -> torch.Tensor:
+    """The micro-steps' mean of a step's value; without accumulation the value itself (no op)."""
+    return values[0] if len(values) == 1 else torch.stack(values).mean()
 
 
 def train(cfg: Config, backend: Backend) -> int:
