@@ -303,6 +303,10 @@ def test_config_overrides_are_typed(tmp_path):
         load_config(p, ["training.max_steps=many"])
     with pytest.raises(ConfigError, match="unknown key 'training.max_stpes'"):
         load_config(p, ["training.max_stpes=1"])
+    # in order: of a key given twice the last wins, a section's mapping included (README)
+    cfg = load_config(p, ["training.max_steps=5", "training={max_steps: 6, seed: 2}", "training.max_steps=8"])
+    assert cfg.training.max_steps == 8 and cfg.training.seed == 2
+    assert load_config(p, ["training.max_steps=8", "training={max_steps: 6}"]).training.max_steps == 6
 
 
 @pytest.mark.parametrize("overrides, where", [
