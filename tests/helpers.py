@@ -1,5 +1,6 @@
 """Helpers shared by the trainer tests: a tiny config on the stdlib test corpus, metrics readers,
 and subprocess runners."""
+import fcntl
 import json
 import os
 import subprocess
@@ -32,6 +33,25 @@ def tiny_config(tmp_path: Path, data_dir: Path, **over) -> Path:
     p = tmp_path / "cfg.yaml"
     p.write_text(yaml.safe_dump(cfg))
     return p
+
+
+def once_per_session(tmp_path_factory, name: str, make):
+    """``make(directory)``'s result (JSON), computed once in a test session: by the first
+    pytest-xdist worker to ask, under a file lock, and read from the session's shared temporary
+    directory by every other worker (which would otherwise compute it again: ``make test`` hands
+    out tests one at a time). A ``make`` that fails leaves nothing, so the next asker tries again."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the session's directory, holding each worker's own
+    work, result = root / f"once-{name}", root / f"once-{name}.json"
+    with open(root / f"once-{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not result.exists():
+            work.mkdir(exist_ok=True)
+            value = make(work)
+            result.with_suffix(".tmp").write_text(json.dumps(value))
+            result.with_suffix(".tmp").replace(result)
+        return json.loads(result.read_text())
 
 
 def metrics(run_dir: Path) -> list[dict]:

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from helpers import script_report
+from helpers import once_per_session, script_report
 
 pytestmark = pytest.mark.xla
 
@@ -110,12 +110,13 @@ print("REPORT " + json.dumps(report))
 
 
 @pytest.fixture(scope="module")
-def report():
+def report(tmp_path_factory):
     pytest.importorskip("torch_xla")
     # os.environ carries tests/conftest.py's fast-compile XLA_FLAGS (LLVM without optimisation passes)
     env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "1", "TF_CPP_MIN_LOG_LEVEL": "3",
            "OMP_NUM_THREADS": "1"}
-    return script_report(SCRIPT, env=env, timeout=600)
+    # one report for the session: make test's workers each run some of the tests below
+    return once_per_session(tmp_path_factory, "model_xla_report", lambda _: script_report(SCRIPT, env=env, timeout=600))
 
 
 @pytest.mark.parametrize("name", ["nash-mhc", "lite-convex", "sinkhorn-loop", "window-chunked-pad", "window-dense"])

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from helpers import ENV, ROOT, metrics, run, run_patched, script_report, tiny_config
+from helpers import ENV, ROOT, metrics, once_per_session, run, run_patched, script_report, tiny_config
 from training.config import ConfigError, load_config
 from training.data import data_fingerprint
 from training.monitor import peak_flops_for
@@ -513,6 +513,13 @@ def _train(tmp_path, name, stdlib_data, env=ENV, args=(), **over):
     return rows, health
 
 
+@pytest.fixture
+def one_device(tmp_path_factory, stdlib_data):
+    """SMALL's run on one PJRT CPU device, unrolled, logged every step: (metrics rows, health), the
+    reference of three tests (one run in the session, whichever worker runs them)."""
+    return once_per_session(tmp_path_factory, "xla_one_device", lambda d: _train(d, "run", stdlib_data))
+
+
 def _transfers_per_line(rows):
     """Device-to-host transfers between consecutive log lines, per line (the final step adds
     the evaluation: left out)."""
@@ -562,6 +569,7 @@ print("REPORT " + json.dumps(out))
 
 
 @pytest.mark.xla
+@pytest.mark.slow
 def test_spmd_activations_keep_the_batch_split(tmp_path, stdlib_data):
     """Each device computes its own rows of the batch through the whole forward and backward: no
     collective moves an activation of the global batch (8 sequences of 128 tokens: [8, 128, ...]
@@ -643,12 +651,12 @@ def test_spmd_annotations_do_not_grow_torch_xlas_mesh_cache(tmp_path, stdlib_dat
 
 @pytest.mark.xla
 @pytest.mark.slow
-def test_graph_count_is_fixed_and_scan_matches_the_unrolled_blocks(tmp_path, stdlib_data):
+def test_graph_count_is_fixed_and_scan_matches_the_unrolled_blocks(tmp_path, stdlib_data, one_device):
     """ddp (one device): the same compilations for accumulation 1 and 4 and log interval 1 and 10,
     none after the first step, one transfer per log line; accumulating 4 micro-batches of 1
     through scanned, checkpointed blocks gives the losses of one batch of 4 through the unrolled
     blocks (1e-4 relative)."""
-    ref, ref_h = _train(tmp_path, "ref", stdlib_data)
+    ref, ref_h = one_device
     acc, acc_h = _train(tmp_path, "acc", stdlib_data, args=["xla.scan_layers=true"],
                         **{"training.batch_size": 1, "training.gradient_accumulation_steps": 4,
                            "model.activation_checkpointing": True})
@@ -667,7 +675,7 @@ def test_graph_count_is_fixed_and_scan_matches_the_unrolled_blocks(tmp_path, std
 
 @pytest.mark.xla
 @pytest.mark.slow
-def test_spmd_graph_count_is_fixed(tmp_path, stdlib_data):
+def test_spmd_graph_count_is_fixed(tmp_path, stdlib_data, one_device):
     """A 2 x 2 data x fsdp mesh: accumulation 4 logged every 10 steps compiles what accumulation 1
     logged every step does; the latter's losses equal the one-device run's."""
     mesh = ["xla.mode=spmd", "xla.mesh.data=2", "xla.mesh.fsdp=2"]
@@ -678,11 +686,15 @@ def test_spmd_graph_count_is_fixed(tmp_path, stdlib_data):
     assert _transfers_per_line(every) == {1}
     assert [r["step"] for r in acc] == [10, 12] and acc[0]["xla_transfers"] == 1
     assert len({r["xla_compilations"] for r in every if r["step"] < 12}) == 1
+    one = {r["step"]: r["loss"] for r in one_device[0]}
+    assert sorted(one) == [r["step"] for r in every] == list(range(1, 13))
+    for r in every:
+        assert abs(r["loss"] - one[r["step"]]) <= 1e-4 * abs(one[r["step"]]), (r["step"], r["loss"], one[r["step"]])
 
 
 @pytest.mark.xla
 @pytest.mark.slow
-def test_spmd_scan_matches_the_unrolled_blocks(tmp_path, stdlib_data):
+def test_spmd_scan_matches_the_unrolled_blocks(tmp_path, stdlib_data, one_device):
     """torch_xla's scan shards its backward with JAX in SPMD: a scanned run on a 2 x 2 mesh has the
     one-device unrolled run's losses. `make setup` installs JAX and torchax for it: not a skip
     (torch_xla's own torchax files, which import flax, once made it skip unseen)."""
@@ -692,7 +704,7 @@ def test_spmd_scan_matches_the_unrolled_blocks(tmp_path, stdlib_data):
     assert usable, "jax or torchax does not import: run make setup (see the Makefile's torchax step)"
     mesh = ["xla.mode=spmd", "xla.mesh.data=2", "xla.mesh.tp=2", "xla.scan_layers=true"]
     spmd, _ = _train(tmp_path, "spmd", stdlib_data, env=SPMD, args=mesh)
-    one, _ = _train(tmp_path, "one", stdlib_data)
+    one = one_device[0]
     assert [a["step"] for a in spmd] == [b["step"] for b in one] and one   # zip would stop at the shorter
     for a, b in zip(spmd, one):
         assert abs(a["loss"] - b["loss"]) <= 1e-4 * abs(b["loss"]), a["step"]
