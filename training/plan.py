@@ -21,6 +21,7 @@ chip's memory is kept for all of that.
 """
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
 import functools
@@ -491,8 +492,8 @@ class Trace:
         source = np.array(source)
         bounds = [lo for _, _, lo, _ in src]
 
-        def segment(row):
-            return src[int(np.searchsorted(bounds, row, side="right")) - 1]
+        def segment(row):  # called for every storage of every copied block: bisect, not a numpy call
+            return src[bisect.bisect_right(bounds, row) - 1]
 
         def place(row, origin):
             """The new row of source ``row``, for a storage made in block ``origin`` (old, new)."""
