@@ -6,11 +6,12 @@ import shutil
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from helpers import (ENV, ROOT, losses, metrics, patched_env, run, run_patched, script_report, sigterm_during_step,
-                     tiny_config, wait_for_a_signal_at_step, wait_for_file)
+from helpers import (ENV, ROOT, losses, metrics, once_per_session, patched_env, run, run_patched, script_report,
+                     sigterm_during_step, tiny_config, wait_for_a_signal_at_step, wait_for_file)
 
 pytest.importorskip("torch_xla")
 pytestmark = pytest.mark.xla
@@ -42,12 +43,16 @@ def test_twins_give_the_same_losses(tmp_path, stdlib_data, over):
 # default); the second mesh also takes the cross-entropy in chunks of 12 of the 32 positions
 # (model.loss_chunk), against train.py's whole cross-entropy.
 @pytest.mark.parametrize("mesh, loss_chunk", [((2, 2, 1), 0), ((1, 2, 2), 12)])
-def test_spmd_mesh_matches_one_device(tmp_path, stdlib_data, mesh, loss_chunk):
-    one, spmd = tmp_path / "one", tmp_path / "spmd"
-    one.mkdir(), spmd.mkdir()
+def test_spmd_mesh_matches_one_device(tmp_path, tmp_path_factory, stdlib_data, mesh, loss_chunk):
+    spmd = tmp_path / "spmd"
+    spmd.mkdir()
     over = {"training.batch_size": 8, "evaluation.interval": 0, "checkpoint.interval": 0}
-    r = run(["train.py", str(tiny_config(one, stdlib_data, **over))])
-    assert r.returncode == 0, r.stderr[-3000:]
+
+    def one_device(d: Path) -> str:  # both meshes' reference: one run in the session
+        r = run(["train.py", str(tiny_config(d, stdlib_data, **over))])
+        assert r.returncode == 0, r.stderr[-3000:]
+        return str(d / "run")
+    one_run = Path(once_per_session(tmp_path_factory, "train_batch8", one_device))
     d, f, t = mesh
     r = run(["train_xla.py", str(tiny_config(spmd, stdlib_data, **over)), "xla.mode=spmd",
              f"xla.mesh.data={d}", f"xla.mesh.fsdp={f}", f"xla.mesh.tp={t}", f"model.loss_chunk={loss_chunk}"],
@@ -56,7 +61,7 @@ def test_spmd_mesh_matches_one_device(tmp_path, stdlib_data, mesh, loss_chunk):
     assert f"4 device(s), spmd mesh ({d}, {f}, {t})) | model" in r.stderr    # no "x 1 replica(s)"
     # the batch is global in SPMD, split over data x fsdp, not 8 per replica
     assert f"effective batch: 8 global (split over data {d} x fsdp {f}) x 1 accumulation = 8 sequences" in r.stderr
-    close(losses(spmd / "run"), losses(one / "run"), 1e-3, steps=list(range(1, 21)))
+    close(losses(spmd / "run"), losses(one_run), 1e-3, steps=list(range(1, 21)))
     # the consolidated checkpoint loads in train.py: resume it there for 2 more steps
     r = run(["train.py", str(spmd / "cfg.yaml"), "training.max_steps=22"])
     assert r.returncode == 0 and "resumed from" in r.stderr, r.stderr[-3000:]
