@@ -1,6 +1,7 @@
 """Helpers shared by the trainer tests: a tiny config on the stdlib test corpus, metrics readers,
 and subprocess runners."""
 import fcntl
+import hashlib
 import json
 import os
 import subprocess
@@ -52,6 +53,19 @@ def once_per_session(tmp_path_factory, name: str, make):
             result.with_suffix(".tmp").write_text(json.dumps(value))
             result.with_suffix(".tmp").replace(result)
         return json.loads(result.read_text())
+
+
+def shared_run(tmp_path_factory, script: str, data_dir: Path, **over) -> tuple[Path, str]:
+    """``script`` (train.py, train_xla.py) on ``tiny_config(**over)``, run once in the session
+    for every test that only reads it: (its run directory, its stderr)."""
+    def make(d: Path) -> list:
+        r = run([script, str(tiny_config(d, data_dir, **over))])
+        assert r.returncode == 0, r.stderr[-3000:]
+        return [str(d / "run"), r.stderr]
+    key = json.dumps([script, str(data_dir), over], sort_keys=True).encode()
+    name = f"{Path(script).stem}-{hashlib.sha1(key).hexdigest()[:12]}"  # the same in every worker
+    run_dir, stderr = once_per_session(tmp_path_factory, name, make)
+    return Path(run_dir), stderr
 
 
 def metrics(run_dir: Path) -> list[dict]:

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import (ENV, ROOT, in_process, losses, metrics, once_per_session, patched_env, patched_script, run,
-                     run_patched, sigterm_during_step, tiny_config, wait_for_a_signal_at_step, wait_for_file)
+from helpers import (ENV, ROOT, in_process, losses, metrics, patched_env, patched_script, run, run_patched,
+                     shared_run, sigterm_during_step, tiny_config, wait_for_a_signal_at_step, wait_for_file)
 from training.checkpoint import list_checkpoints
 from training.data import data_fingerprint
 
@@ -205,11 +205,7 @@ needs_torchrun = pytest.mark.skipif(not Path(TORCHRUN).exists(), reason="torchru
 def one_process_run(tmp_path_factory, stdlib_data) -> Path:
     """The run directory of 20 steps of train.py in one process with the global batch (4): what
     DDP and FSDP2 runs of 2 processes x batch 2 must reproduce (one run in the session)."""
-    def make(d: Path) -> str:
-        r = run(["train.py", str(tiny_config(d, stdlib_data, **{"checkpoint.interval": 0}))])
-        assert r.returncode == 0, r.stderr[-3000:]
-        return str(d / "run")
-    return Path(once_per_session(tmp_path_factory, "train_one_process", make))
+    return shared_run(tmp_path_factory, "train.py", stdlib_data, **{"checkpoint.interval": 0})[0]
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from helpers import (ENV, ROOT, losses, metrics, once_per_session, patched_env, run, run_patched, script_report,
-                     sigterm_during_step, tiny_config, wait_for_a_signal_at_step, wait_for_file)
+                     shared_run, sigterm_during_step, tiny_config, wait_for_a_signal_at_step, wait_for_file)
 
 pytest.importorskip("torch_xla")
 pytestmark = pytest.mark.xla
@@ -27,14 +27,12 @@ def close(a: dict, b: dict, rel: float, steps=None):
 # Sinkhorn's H_res (mhc_lite false) runs on XLA as two While loops of the backend's own
 # (xla_backend.SinkhornLoop), eagerly as model.py's unrolled iterations: the same training.
 @pytest.mark.parametrize("over", [{}, {"model.mhc_lite": False}], ids=["mhc_lite", "sinkhorn"])
-def test_twins_give_the_same_losses(tmp_path, stdlib_data, over):
-    x, t = tmp_path / "xla", tmp_path / "torch"
-    x.mkdir(), t.mkdir()
-    for d, script in ((x, "train_xla.py"), (t, "train.py")):
-        r = run([script, str(tiny_config(d, stdlib_data, **over))])
-        assert r.returncode == 0, r.stderr[-3000:]
-        assert ("mhc_lite: false" in r.stderr) == bool(over), r.stderr[-3000:]   # the config it ran
-    close(losses(x / "run"), losses(t / "run"), 1e-3, steps=list(range(1, 21)))
+def test_twins_give_the_same_losses(tmp_path_factory, stdlib_data, over):
+    runs = {}
+    for script in ("train_xla.py", "train.py"):   # the session's runs of these configs (shared_run)
+        runs[script], err = shared_run(tmp_path_factory, script, stdlib_data, **over, **{"checkpoint.interval": 0})
+        assert ("mhc_lite: false" in err) == bool(over), err[-3000:]   # the config it ran
+    close(losses(runs["train_xla.py"]), losses(runs["train.py"]), 1e-3, steps=list(range(1, 21)))
     if not over:
         assert "no TPU found: using PJRT_DEVICE=CPU" not in run(["train_xla.py", "--help"]).stderr
 
@@ -144,12 +142,11 @@ def test_bf16_no_recompilation_no_fallbacks_and_it_learns(tmp_path, stdlib_data)
     assert abs(ev_x[-1] - ev_t[-1]) < 0.05 * ev_t[-1]
 
 
-def test_exact_resume_after_sigterm(tmp_path, stdlib_data):
-    ref, cut = tmp_path / "ref", tmp_path / "cut"
-    ref.mkdir(), cut.mkdir()
+def test_exact_resume_after_sigterm(tmp_path, tmp_path_factory, stdlib_data):
+    cut = tmp_path / "cut"
+    cut.mkdir()
     over = {"checkpoint.interval": 0}
-    r = run(["train_xla.py", str(tiny_config(ref, stdlib_data, **over))])
-    assert r.returncode == 0, r.stderr[-3000:]
+    ref = shared_run(tmp_path_factory, "train_xla.py", stdlib_data, **over)[0]   # uninterrupted (the twins' run)
     cfg, at6 = tiny_config(cut, stdlib_data, **over), tmp_path / "at-step-6"
     # through xmp.spawn's pool, as on a TPU host (PJRT CPU's one replica runs in the launcher)
     pool = "import training.launch\ntraining.launch.one_pjrt_cpu_device = lambda: False\n"
@@ -164,7 +161,7 @@ def test_exact_resume_after_sigterm(tmp_path, stdlib_data):
     assert stopped == 6 and (cut / "run" / "ckpt_00000006.pt").exists(), err[-3000:]
     r = run(["train_xla.py", str(cfg)])
     assert r.returncode == 0 and "resumed from" in r.stderr, r.stderr[-3000:]
-    a, b = losses(ref / "run"), losses(cut / "run")
+    a, b = losses(ref), losses(cut / "run")
     assert sorted(b) == list(range(1, 21))
     for s in range(1, 21):
         assert abs(a[s] - b[s]) <= 1e-6, (s, a[s], b[s])
