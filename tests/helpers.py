@@ -39,8 +39,8 @@ def tiny_config(tmp_path: Path, data_dir: Path, **over) -> Path:
 def once_per_session(tmp_path_factory, name: str, make):
     """``make(directory)``'s result (JSON), computed once in a test session: by the first
     pytest-xdist worker to ask, under a file lock, and read from the session's shared temporary
-    directory by every other worker (which would otherwise compute it again: ``make test`` hands
-    out tests one at a time). A ``make`` that fails leaves nothing, so the next asker tries again."""
+    directory by every other worker (``make test``'s two workers each run some of the tests that
+    read it). A ``make`` that fails leaves nothing, so the next asker tries again."""
     root = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         root = root.parent  # the session's directory, holding each worker's own

@@ -6,12 +6,11 @@ import shutil
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from helpers import (ENV, ROOT, losses, metrics, once_per_session, patched_env, run, run_patched, script_report,
-                     shared_run, sigterm_during_step, tiny_config, wait_for_a_signal_at_step, wait_for_file)
+from helpers import (ENV, ROOT, losses, metrics, patched_env, run, run_patched, script_report, shared_run,
+                     sigterm_during_step, tiny_config, wait_for_a_signal_at_step, wait_for_file)
 
 pytest.importorskip("torch_xla")
 pytestmark = pytest.mark.xla
@@ -45,12 +44,7 @@ def test_spmd_mesh_matches_one_device(tmp_path, tmp_path_factory, stdlib_data, m
     spmd = tmp_path / "spmd"
     spmd.mkdir()
     over = {"training.batch_size": 8, "evaluation.interval": 0, "checkpoint.interval": 0}
-
-    def one_device(d: Path) -> str:  # both meshes' reference: one run in the session
-        r = run(["train.py", str(tiny_config(d, stdlib_data, **over))])
-        assert r.returncode == 0, r.stderr[-3000:]
-        return str(d / "run")
-    one_run = Path(once_per_session(tmp_path_factory, "train_batch8", one_device))
+    one_run = shared_run(tmp_path_factory, "train.py", stdlib_data, **over)[0]   # both meshes' reference
     d, f, t = mesh
     r = run(["train_xla.py", str(tiny_config(spmd, stdlib_data, **over)), "xla.mode=spmd",
              f"xla.mesh.data={d}", f"xla.mesh.fsdp={f}", f"xla.mesh.tp={t}", f"model.loss_chunk={loss_chunk}"],
