@@ -53,13 +53,18 @@ def stdlib_inputs(packages=STDLIB_PACKAGES) -> list[str]:
 
 @pytest.fixture(scope="session")
 def stdlib_data(tmp_path_factory) -> Path:
-    """Path of a prepared data directory: tokenizer files, meta.json, >= 2 train shards, val shards."""
+    """Path of a prepared data directory: tokenizer files, meta.json, >= 2 train shards, val shards.
+    One for the session, whichever pytest-xdist worker asks first: so the runs that
+    ``helpers.shared_run`` shares between workers are of the same data, at the same path."""
     import prepare_data
+    from helpers import once_per_session
 
-    out = tmp_path_factory.mktemp("stdlib_data") / "data"
-    rc = prepare_data.main(["--input", *stdlib_inputs(), *STDLIB_DATA_ARGS, "--out", str(out)])
-    assert rc == 0, "prepare_data.py failed to build the stdlib_data fixture"
-    return out
+    def make(d: Path) -> str:
+        out = d / "data"
+        rc = prepare_data.main(["--input", *stdlib_inputs(), *STDLIB_DATA_ARGS, "--out", str(out)])
+        assert rc == 0, "prepare_data.py failed to build the stdlib_data fixture"
+        return str(out)
+    return Path(once_per_session(tmp_path_factory, "stdlib_data", make))
 
 
 def run_prepare_data(*args, env: dict | None = None, timeout: float = 180) -> subprocess.CompletedProcess:

@@ -4,6 +4,7 @@ import fcntl
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -40,7 +41,8 @@ def once_per_session(tmp_path_factory, name: str, make):
     """``make(directory)``'s result (JSON), computed once in a test session: by the first
     pytest-xdist worker to ask, under a file lock, and read from the session's shared temporary
     directory by every other worker (``make test``'s two workers each run some of the tests that
-    read it). A ``make`` that fails leaves nothing, so the next asker tries again."""
+    read it). A ``make`` that fails leaves no result, so the next asker tries again, in a directory
+    of its own."""
     root = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         root = root.parent  # the session's directory, holding each worker's own
@@ -48,7 +50,8 @@ def once_per_session(tmp_path_factory, name: str, make):
     with open(root / f"once-{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         if not result.exists():
-            work.mkdir(exist_ok=True)
+            shutil.rmtree(work, ignore_errors=True)  # a failed attempt's: never resumed or reused
+            work.mkdir()
             value = make(work)
             result.with_suffix(".tmp").write_text(json.dumps(value))
             result.with_suffix(".tmp").replace(result)
@@ -57,7 +60,8 @@ def once_per_session(tmp_path_factory, name: str, make):
 
 def shared_run(tmp_path_factory, script: str, data_dir: Path, **over) -> tuple[Path, str]:
     """``script`` (train.py, train_xla.py) on ``tiny_config(**over)``, run once in the session
-    for every test that only reads it: (its run directory, its stderr)."""
+    for every test that only reads it: (its run directory, its stderr). ``data_dir`` is the
+    session's ``stdlib_data``, the same path in every worker."""
     def make(d: Path) -> list:
         r = run([script, str(tiny_config(d, data_dir, **over))])
         assert r.returncode == 0, r.stderr[-3000:]

@@ -205,7 +205,7 @@ needs_torchrun = pytest.mark.skipif(not Path(TORCHRUN).exists(), reason="torchru
 def one_process_run(tmp_path_factory, stdlib_data) -> Path:
     """The run directory of 20 steps of train.py in one process with the global batch (4): what
     DDP and FSDP2 runs of 2 processes x batch 2 must reproduce (one run in the session)."""
-    return shared_run(tmp_path_factory, "train.py", stdlib_data, **{"checkpoint.interval": 0})[0]
+    return shared_run(tmp_path_factory, "train.py", stdlib_data)[0]   # the twins' train.py run
 
 
 @pytest.fixture(scope="module")

@@ -569,7 +569,6 @@ print("REPORT " + json.dumps(out))
 
 
 @pytest.mark.xla
-@pytest.mark.slow
 def test_spmd_activations_keep_the_batch_split(tmp_path, stdlib_data):
     """Each device computes its own rows of the batch through the whole forward and backward: no
     collective moves an activation of the global batch (8 sequences of 128 tokens: [8, 128, ...]
