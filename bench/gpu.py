@@ -171,8 +171,9 @@ def variants(out: Path, batch: int, names, seq: int = 1024) -> None:
 
 
 KINDS = (("attention", ("fmha", "flash", "attention", "cudnn", "sdpa")),
-         ("matmul", ("gemm", "xmma", "cutlass", "nvjet", "sm90", "cublas")),
-         ("inductor", ("triton",)))
+         ("matmul", ("gemm", "xmma", "cutlass", "nvjet", "sm90", "cublas",
+                     "aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm")),   # the last: CPU ops
+         ("inductor", ("triton", "cpp_fused")))   # inductor's kernels on CUDA, and on the CPU (bench/model.py)
 
 
 def kernel_kind(name: str) -> str:

@@ -3,7 +3,7 @@ XLA graph size per layer, and peak memory.
 
     .venv/bin/python bench/model.py                                   # issue 13's shape, every backend
     .venv/bin/python bench/model.py --d-model 768 --n-heads 12 --n-kv-heads 12   # the small_gpu width
-    .venv/bin/python bench/model.py --backends eager --profile --json out.json
+    .venv/bin/python bench/model.py --backends eager,compile --variants baseline,nash-mhc --profile   # + where the time goes
     .venv/bin/python bench/model.py --hlo-only --variants baseline,nash-mhc   # HLO lines per layer, no timing
     .venv/bin/python bench/model.py --backends xla --model-root /tmp/before --variants baseline,nash-mhc,root:nash-mhc
                                         # before/after: /tmp/before's model (git worktree add /tmp/before REV) side by side
@@ -49,6 +49,11 @@ a fresh process and inductor cache with TORCHINDUCTOR_COMPILE_THREADS=1, so ever
 (one per kernel) runs in the process and is timed; the rest by Dynamo's phase timers
 (torch._dynamo.utils.compilation_time_metrics: tracing, AOT joint graph, partition, lowering,
 scheduler, code generation). Serial, so longer than the two-thread warm-up of the timing run.
+
+Where the step's time goes (--profile, after the timing): each variant's step on the eager and
+compile backends, in a process per backend (compile: a fresh cache), under torch.profiler: the
+self CPU time of its ops per step by kind (bench/gpu.py's kernel kinds: attention, matmul,
+inductor's generated kernels, each recorded alone, other), the time outside any op, and the top ops.
 
 HLO lines per layer (--hlo, --hlo-only): bench/xla.py's ``compile`` (the training
 step's model graph, forward + backward, as the XLA backend builds it, unrolled) in a fresh process
@@ -619,7 +624,7 @@ def measure_memory(args, variant: str) -> dict:
 def forwarded(args) -> list[str]:
     out = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
            ("batch", "seq", "vocab", "d_model", "n_layers", "n_heads", "n_kv_heads", "window", "sinkhorn_iters",
-            "threads", "warmup", "repeats")]
+            "threads", "warmup", "repeats", "profile_rows")]
     out.append("--variants=" + ",".join(args.variants))
     if args.stream_dtype:
         out.append(f"--stream-dtype={args.stream_dtype}")
@@ -630,17 +635,79 @@ def forwarded(args) -> list[str]:
     return out
 
 
-def profile(args, variant: str, rows: int = 25) -> str:
+def profile_worker(args) -> dict:
+    """--profile, one torch backend (eager or compile) in this process: every variant's step after
+    1 + --warmup untimed ones, then --repeats rounds in which each variant takes one step under
+    torch.profiler (the variants in turn, every other round in reverse, as ``interleaved``). Per
+    variant, the median over the rounds of: the step's wall time, the self CPU time of its ops by
+    kind (bench/gpu.py's ``kernel_kind``: attention, matmul, inductor's generated kernels, each
+    recorded alone with ``cpp.enable_kernel_profile``, other), the time outside any op, and each of
+    the top ops' time."""
     import torch
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    step, _ = torch_step(args, variant, compiled=False)
-    step()
-    with torch_profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-        step()
-    return prof.key_averages(group_by_input_shape=True).table(sort_by="self_cpu_time_total", row_limit=rows,
-                                                              max_name_column_width=40, max_shapes_column_width=60)
+    from bench.gpu import kernel_kind
+
+    torch.set_num_threads(args.threads)
+    compiled = args.worker == "compile"
+    if compiled:
+        import torch._dynamo
+        import torch._inductor.config
+
+        torch._inductor.config.cpp.enable_kernel_profile = True
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
+    steps = {}
+    for v in args.variants:
+        steps[v] = torch_step(args, v, compiled)[0]
+        for _ in range(1 + args.warmup):
+            steps[v]()
+    rounds: dict = {v: [] for v in steps}   # per round: (wall ms, {op: (self ms, calls)})
+    for r in range(args.repeats):
+        for v in (list(steps) if r % 2 == 0 else list(steps)[::-1]):
+            with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+                t0 = time.perf_counter()
+                steps[v]()
+                wall = time.perf_counter() - t0
+            rounds[v].append((1e3 * wall, {e.key: (e.self_cpu_time_total / 1e3, e.count)
+                                           for e in prof.key_averages() if e.self_cpu_time_total > 0}))
+    out = {}
+    for v, rs in rounds.items():
+        kinds = ("attention", "matmul", "inductor", "other")
+        per_kind = {k: statistics.median(sum(ms for op, (ms, _) in ops.items() if kernel_kind(op) == k)
+                                         for _, ops in rs) for k in kinds}
+        outside = statistics.median(wall - sum(ms for ms, _ in ops.values()) for wall, ops in rs)
+        names = set().union(*(ops for _, ops in rs))
+        op_ms = {op: statistics.median(ops.get(op, (0.0, 0))[0] for _, ops in rs) for op in names}
+        top = sorted(op_ms, key=lambda op: -op_ms[op])[:args.profile_rows]
+        out[v] = {"step_ms": statistics.median(wall for wall, _ in rs), "by_kind_ms": per_kind,
+                  "outside_ops_ms": outside,
+                  "top": [{"op": op, "kind": kernel_kind(op), "ms": op_ms[op], "calls": rs[-1][1].get(op, (0, 0))[1]}
+                          for op in top]}
+    return out
+
+
+def profiles(args, backends: list[str]) -> dict:
+    """--profile: ``profile_worker`` for each of --backends' torch backends, in a process of its
+    own (the compile one with a fresh inductor cache, as the timing's)."""
+    return {b: run_worker(args, b, ["--profile-here"]) for b in backends if b in ("eager", "compile")}
+
+
+def render_profiles(args, prof: dict) -> str:
+    kinds = ("attention", "matmul", "inductor", "other")
+    L = [f"torch.profiler, ms per step by kind of op (self CPU time), each the median of {args.repeats} interleaved "
+         f"profiled steps after {1 + args.warmup} untimed (profiled: slower than the timing above; the kinds' "
+         "medians need not add up to the step's):", "",
+         "| backend | variant | step | " + " | ".join(kinds) + " | outside ops |", "|---|---|" + "---:|" * (len(kinds) + 2)]
+    for b, res in prof.items():
+        for v, r in res.items():
+            cells = [f"{r['by_kind_ms'].get(k, 0.0):.1f}" for k in kinds]
+            L.append(f"| {b} | {v} | {r['step_ms']:.1f} | " + " | ".join(cells) + f" | {r['outside_ops_ms']:.1f} |")
+    for b, res in prof.items():
+        for v, r in res.items():
+            L += ["", f"{b}, {v}: top ops by self CPU time", "| ms/step | calls/step | kind | op |", "|---:|---:|---|---|"]
+            L += [f"| {t['ms']:.2f} | {t['calls']} | {t['kind']} | {t['op'][:100]} |" for t in r["top"]]
+    return "\n".join(L)
 
 
 def write_json(path: str, data: dict) -> None:
@@ -757,7 +824,10 @@ def main(argv=None) -> int:
                    "root:NAME are built by its model.py and timed in the same processes as this checkout's")
     p.add_argument("--tuned-malloc", action="store_true",
                    help="time with glibc malloc keeping freed memory (see tune_glibc_malloc)")
-    p.add_argument("--profile", action="store_true", help="also print torch.profiler's top ops for eager nash-mhc")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile each variant's step on the eager and compile backends: ms per step by kind "
+                        "of op (attention, matmul, inductor's kernels, other) and the top ops")
+    p.add_argument("--profile-rows", type=int, default=12, help="--profile: top ops listed per variant")
     p.add_argument("--compile-split", action="store_true",
                    help="only torch.compile's warm-up of each variant, split by phase (C++ compiler, Dynamo, "
                         "AOT, lowering, scheduler, code generation)")
@@ -766,6 +836,7 @@ def main(argv=None) -> int:
     p.add_argument("--warmup-only", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--cold", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--memory-worker", help=argparse.SUPPRESS)
+    p.add_argument("--profile-here", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
@@ -805,6 +876,12 @@ def main(argv=None) -> int:
     except (ValueError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.profile and not {"eager", "compile"} & set(backends):
+        print("error: --profile profiles the eager and compile backends: name one in --backends", file=sys.stderr)
+        return 2
+    if args.profile_rows < 1:
+        print(f"error: --profile-rows must be >= 1, got {args.profile_rows}", file=sys.stderr)
+        return 2
     if args.tuned_malloc and not tune_glibc_malloc():
         print("error: --tuned-malloc: glibc's mallopt is not available here", file=sys.stderr)
         return 2
@@ -816,7 +893,7 @@ def main(argv=None) -> int:
         memory_worker(args)
         return 0
     if args.worker:
-        print("RESULT " + json.dumps(backend_worker(args)), flush=True)
+        print("RESULT " + json.dumps(profile_worker(args) if args.profile_here else backend_worker(args)), flush=True)
         return 0
 
     load0 = os.getloadavg()[0]
@@ -850,12 +927,9 @@ def main(argv=None) -> int:
     report["load"] = [load0, os.getloadavg()[0]]
     print(render(args, report))
     if args.profile:
-        os.environ["OMP_NUM_THREADS"] = str(args.threads)
-        import torch
-
-        torch.set_num_threads(args.threads)
-        print("\ntorch.profiler, one eager nash-mhc training step, top ops by self CPU time:")
-        print(profile(args, "nash-mhc"))
+        print("  profiles ...", file=sys.stderr, flush=True)
+        report["profile"] = profiles(args, backends)
+        print("\n" + render_profiles(args, report["profile"]))
     if args.json:
         write_json(args.json, report)
     return 0

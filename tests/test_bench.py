@@ -332,6 +332,57 @@ def test_compile_warmups_are_measured_alone(monkeypatch):
     assert "a first launch's first step" in text and "baseline 16.0 s (1.00x), nash-mhc 46.0 s (2.88x)" in text
 
 
+@pytest.mark.slow
+def test_profile_splits_each_step_by_kind_of_op(monkeypatch):
+    """--profile's worker at a tiny shape (in this process; bench/model.py runs it in one per
+    backend): eager runs no inductor kernel, torch.compile's generated kernels are recorded one by
+    one (``kernel_kind`` "inductor", not lumped into the graph's call as "other"); both see
+    attention and matmuls; with one round the kinds and the time outside any op add up to the
+    step; the top ops are the slowest, each of a kind."""
+    import argparse
+
+    import torch
+    import torch._dynamo
+    import torch._inductor.config
+
+    from bench import model as bench_model
+
+    # what the worker sets for its process, put back for the tests after this one
+    monkeypatch.setattr(torch._inductor.config.cpp, "enable_kernel_profile", False)
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", torch._dynamo.config.recompile_limit)
+    threads = torch.get_num_threads()
+    args = dict(batch=1, seq=64, vocab=67, d_model=32, n_layers=1, n_heads=2, n_kv_heads=2, window=16,
+                sinkhorn_iters=20, threads=1, warmup=0, repeats=1, profile_rows=5, stream_dtype=None,
+                model_root=None)
+    try:
+        prof = {"eager": bench_model.profile_worker(argparse.Namespace(**args, worker="eager",
+                                                                       variants=["baseline", "nash-mhc"])),
+                # the baseline alone: inductor's warm-up of even a tiny nash-mhc is ~40 s here
+                "compile": bench_model.profile_worker(argparse.Namespace(**args, worker="compile",
+                                                                         variants=["baseline"]))}
+    finally:
+        torch.set_num_threads(threads)
+    for backend, res in prof.items():
+        for v, r in res.items():
+            kinds = r["by_kind_ms"]
+            assert kinds["attention"] > 0 and kinds["matmul"] > 0, (backend, v, kinds)
+            assert (kinds["inductor"] > 0) == (backend == "compile"), (backend, v, kinds)
+            assert sum(kinds.values()) + r["outside_ops_ms"] == pytest.approx(r["step_ms"])
+            ms = [t["ms"] for t in r["top"]]
+            assert len(ms) == 5 and ms == sorted(ms, reverse=True) and ms[-1] > 0
+            assert all(t["kind"] in kinds and t["calls"] >= 1 for t in r["top"])
+    text = bench_model.render_profiles(argparse.Namespace(**args), prof)
+    assert "| eager | nash-mhc |" in text and "compile, baseline: top ops by self CPU time" in text
+
+
+def test_bench_model_profile_needs_a_torch_backend():
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "model.py"), "--backends", "xla", "--profile"],
+                       capture_output=True, text=True, env=ENV)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.strip().splitlines() == ["error: --profile profiles the eager and compile backends: name one "
+                                             "in --backends"]
+
+
 def test_a_cold_worker_times_the_variant_without_the_tiny_model_before_it(monkeypatch):
     """The warm-up is each variant's first step after a tiny model has paid the compiler's
     one-time set-up in the process; --cold leaves that set-up in the variant's first step."""
@@ -555,6 +606,11 @@ def test_bench_gpu_flex_forms_see_what_the_model_sees():
     ("triton_red_fused__to_copy_expand_mul_permute_squeeze_sum_unsqueeze_view_5", "inductor"),
     ("triton_poi_fused__scaled_dot_product_cudnn_attention_backward__softmax_backward_data", "attention"),
     ("void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float, float, float>", "other"),
+    # and on the CPU (bench/model.py --profile: torch.profiler's ops, inductor's C++ kernels)
+    ("aten::mm", "matmul"), ("aten::bmm", "matmul"), ("aten::addmm", "matmul"),
+    ("aten::_scaled_dot_product_flash_attention_for_cpu_backward", "attention"),
+    ("graph_2_cpp_fused__unsafe_view_add_div_expand_mul_permute_pow_squeeze_sum_unsqueeze_view_5", "inductor"),
+    ("aten::_fused_adamw_", "other"), ("aten::mul", "other"),
 ])
 def test_bench_gpu_kernel_kinds(name, kind):
     from bench import gpu
