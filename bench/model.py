@@ -624,7 +624,7 @@ def measure_memory(args, variant: str) -> dict:
 def forwarded(args) -> list[str]:
     out = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
            ("batch", "seq", "vocab", "d_model", "n_layers", "n_heads", "n_kv_heads", "window", "sinkhorn_iters",
-            "threads", "warmup", "repeats", "profile_rows")]
+            "threads", "warmup", "repeats")]
     out.append("--variants=" + ",".join(args.variants))
     if args.stream_dtype:
         out.append(f"--stream-dtype={args.stream_dtype}")
@@ -690,7 +690,8 @@ def profile_worker(args) -> dict:
 def profiles(args, backends: list[str]) -> dict:
     """--profile: ``profile_worker`` for each of --backends' torch backends, in a process of its
     own (the compile one with a fresh inductor cache, as the timing's)."""
-    return {b: run_worker(args, b, ["--profile-here"]) for b in backends if b in ("eager", "compile")}
+    return {b: run_worker(args, b, ["--profile-here", f"--profile-rows={args.profile_rows}"])
+            for b in backends if b in ("eager", "compile")}
 
 
 def render_profiles(args, prof: dict) -> str:

@@ -333,7 +333,7 @@ def test_compile_warmups_are_measured_alone(monkeypatch):
 
 
 @pytest.mark.slow
-def test_profile_splits_each_step_by_kind_of_op(monkeypatch):
+def test_profile_splits_each_step_by_kind_of_op():
     """--profile's worker at a tiny shape (in this process; bench/model.py runs it in one per
     backend): eager runs no inductor kernel, torch.compile's generated kernels are recorded one by
     one (``kernel_kind`` "inductor", not lumped into the graph's call as "other"); both see
@@ -347,19 +347,19 @@ def test_profile_splits_each_step_by_kind_of_op(monkeypatch):
 
     from bench import model as bench_model
 
-    # what the worker sets for its process, put back for the tests after this one
-    monkeypatch.setattr(torch._inductor.config.cpp, "enable_kernel_profile", False)
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", torch._dynamo.config.recompile_limit)
     threads = torch.get_num_threads()
     args = dict(batch=1, seq=64, vocab=67, d_model=32, n_layers=1, n_heads=2, n_kv_heads=2, window=16,
                 sinkhorn_iters=20, threads=1, warmup=0, repeats=1, profile_rows=5, stream_dtype=None,
                 model_root=None)
+    # what the worker sets for its process, put back for the tests after this one
     try:
-        prof = {"eager": bench_model.profile_worker(argparse.Namespace(**args, worker="eager",
-                                                                       variants=["baseline", "nash-mhc"])),
-                # the baseline alone: inductor's warm-up of even a tiny nash-mhc is ~40 s here
-                "compile": bench_model.profile_worker(argparse.Namespace(**args, worker="compile",
-                                                                         variants=["baseline"]))}
+        with torch._inductor.config.patch({"cpp.enable_kernel_profile": False}), \
+                torch._dynamo.config.patch(recompile_limit=torch._dynamo.config.recompile_limit):
+            prof = {"eager": bench_model.profile_worker(argparse.Namespace(**args, worker="eager",
+                                                                           variants=["baseline", "nash-mhc"])),
+                    # the baseline alone: inductor's warm-up of even a tiny nash-mhc is ~40 s here
+                    "compile": bench_model.profile_worker(argparse.Namespace(**args, worker="compile",
+                                                                             variants=["baseline"]))}
     finally:
         torch.set_num_threads(threads)
     for backend, res in prof.items():
