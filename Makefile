@@ -10,14 +10,16 @@ STDLIB  = $(shell $(PYTHON) -c 'import sysconfig; print(sysconfig.get_paths()["s
 
 setup: $(VENV)/.installed
 
-# uv (from PyPI, into the venv) installs what pip would, from the same index, 4x faster: torch's
+# uv (from PyPI, into the venv) installs what pip would, from the same index, 2x faster: torch's
 # CUDA wheels are ~4 GB even on a CPU machine, and uv downloads and unpacks them in parallel
-# (make setup here: 56 s from an empty uv cache; pip took 206-262 s in CI). It reads UV_INDEX_URL,
-# not pip.conf.
+# (make setup here: 102 s from an empty uv cache; pip took 206-262 s in CI). It reads
+# UV_DEFAULT_INDEX, not pip.conf (README). Pinned: the resolution it gives is checked against pip's.
+# --compile-bytecode, as pip does: where PYTHONDONTWRITEBYTECODE is set (CI here), every process
+# would otherwise compile torch's and transformers' sources again at import (2x the import's CPU).
 $(VENV)/.installed: requirements.txt requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --disable-pip-version-check uv
-	$(BIN)/uv pip install --quiet --python $(BIN)/python -r requirements-dev.txt
+	$(BIN)/pip install --quiet --disable-pip-version-check uv==0.13.9
+	$(BIN)/uv pip install --quiet --compile-bytecode --python $(BIN)/python -r requirements-dev.txt
 	# torch_xla 2.9's wheel holds a copy of torchax (0.0.6's code, which imports flax) in the same
 	# directory as the torchax package: installed after it, torchax 0.0.7's files are the ones left
 	$(BIN)/uv pip install --quiet --python $(BIN)/python --no-deps --reinstall torchax==0.0.7
