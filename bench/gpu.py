@@ -170,15 +170,26 @@ def variants(out: Path, batch: int, names, seq: int = 1024) -> None:
     (out / "variants.json").write_text(json.dumps(res, indent=1) + "\n")
 
 
+# The first kind whose key a name contains. An inductor kernel named after an attention op (the
+# element-wise work it fused around an attention call) counts as attention.
 KINDS = (("attention", ("fmha", "flash", "attention", "cudnn", "sdpa")),
          ("matmul", ("gemm", "xmma", "cutlass", "nvjet", "sm90", "cublas",
                      "aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm")),   # the last: CPU ops
          ("inductor", ("triton", "cpp_fused")))   # inductor's kernels on CUDA, and on the CPU (bench/model.py)
+KIND_NAMES = tuple(kind for kind, _ in KINDS) + ("other",)
 
 
 def kernel_kind(name: str) -> str:
     low = name.lower()
     return next((kind for kind, keys in KINDS if any(k in low for k in keys)), "other")
+
+
+def time_by_kind(pairs) -> dict:
+    """The summed time of each ``kernel_kind`` over ``(name, time)`` pairs (kinds with none left out)."""
+    out: dict = {}
+    for name, t in pairs:
+        out[kernel_kind(name)] = out.get(kernel_kind(name), 0) + t
+    return out
 
 
 def profile(out: Path, batch: int, seq: int = 1024, steps: int = 5) -> None:
@@ -205,9 +216,7 @@ def profile(out: Path, batch: int, seq: int = 1024, steps: int = 5) -> None:
         if not total:
             print(f"{name}: no GPU kernels recorded")
             continue
-        by_kind: dict = {}
-        for e in kernels:
-            by_kind[kernel_kind(e.key)] = by_kind.get(kernel_kind(e.key), 0) + e.self_device_time_total
+        by_kind = time_by_kind((e.key, e.self_device_time_total) for e in kernels)
         print(f"\n{name}: {total / steps / 1000:.1f} ms of GPU kernels per step (batch {batch} x seq {seq}); by kind: "
               + ", ".join(f"{k} {v / steps / 1000:.1f} ms ({v / total:.0%})" for k, v in
                           sorted(by_kind.items(), key=lambda kv: -kv[1])))

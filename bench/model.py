@@ -352,11 +352,7 @@ def backend_worker(args) -> dict:
     out: dict = {"backend": args.worker, "threads": args.threads}
     builder = XLAStepBuilder() if args.worker == "xla" else None
     if args.worker == "compile":
-        import torch._dynamo
-
-        # every variant's blocks run one code object: each is one more compiled entry of it, and at
-        # the default limit (8) fullgraph's recompilation error ended the 8th variant's compile
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
+        _many_compiled_variants()
 
     def make(variant, a=args):
         if builder is not None:
@@ -635,56 +631,65 @@ def forwarded(args) -> list[str]:
     return out
 
 
+def _many_compiled_variants() -> None:
+    import torch._dynamo
+
+    # every variant's blocks run one code object: each is one more compiled entry of it, and at
+    # the default limit (8) fullgraph's recompilation error ended the 8th variant's compile
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
+
+
 def profile_worker(args) -> dict:
     """--profile, one torch backend (eager or compile) in this process: every variant's step after
     1 + --warmup untimed ones, then --repeats rounds in which each variant takes one step under
-    torch.profiler (the variants in turn, every other round in reverse, as ``interleaved``). Per
-    variant, the median over the rounds of: the step's wall time, the self CPU time of its ops by
-    kind (bench/gpu.py's ``kernel_kind``: attention, matmul, inductor's generated kernels, each
-    recorded alone with ``cpp.enable_kernel_profile``, other), the time outside any op, and each of
-    the top ops' time."""
+    torch.profiler (in turn, as ``interleaved`` orders them); ``summarise_profile`` of them. The
+    compiled graphs' kernels are recorded one by one (inductor's ``cpp.enable_kernel_profile``)."""
     import torch
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    from bench.gpu import kernel_kind
-
     torch.set_num_threads(args.threads)
     compiled = args.worker == "compile"
     if compiled:
-        import torch._dynamo
         import torch._inductor.config
 
         torch._inductor.config.cpp.enable_kernel_profile = True
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
+        _many_compiled_variants()
     steps = {}
     for v in args.variants:
         steps[v] = torch_step(args, v, compiled)[0]
         for _ in range(1 + args.warmup):
             steps[v]()
-    rounds: dict = {v: [] for v in steps}   # per round: (wall ms, {op: (self ms, calls)})
-    for r in range(args.repeats):
-        for v in (list(steps) if r % 2 == 0 else list(steps)[::-1]):
-            with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
-                t0 = time.perf_counter()
-                steps[v]()
-                wall = time.perf_counter() - t0
-            rounds[v].append((1e3 * wall, {e.key: (e.self_cpu_time_total / 1e3, e.count)
-                                           for e in prof.key_averages() if e.self_cpu_time_total > 0}))
-    out = {}
-    for v, rs in rounds.items():
-        kinds = ("attention", "matmul", "inductor", "other")
-        per_kind = {k: statistics.median(sum(ms for op, (ms, _) in ops.items() if kernel_kind(op) == k)
-                                         for _, ops in rs) for k in kinds}
-        outside = statistics.median(wall - sum(ms for ms, _ in ops.values()) for wall, ops in rs)
-        names = set().union(*(ops for _, ops in rs))
-        op_ms = {op: statistics.median(ops.get(op, (0.0, 0))[0] for _, ops in rs) for op in names}
-        top = sorted(op_ms, key=lambda op: -op_ms[op])[:args.profile_rows]
-        out[v] = {"step_ms": statistics.median(wall for wall, _ in rs), "by_kind_ms": per_kind,
-                  "outside_ops_ms": outside,
-                  "top": [{"op": op, "kind": kernel_kind(op), "ms": op_ms[op], "calls": rs[-1][1].get(op, (0, 0))[1]}
-                          for op in top]}
-    return out
+    rounds: dict = {v: [] for v in steps}
+
+    def profiled(v):
+        with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+            t0 = time.perf_counter()
+            steps[v]()
+            wall = time.perf_counter() - t0
+        rounds[v].append((1e3 * wall, {e.key: (e.self_cpu_time_total / 1e3, e.count)
+                                       for e in prof.key_averages() if e.self_cpu_time_total > 0}))
+
+    interleaved({v: (lambda v=v: profiled(v)) for v in steps}, 0, args.repeats)
+    return {v: summarise_profile(rs, args.profile_rows) for v, rs in rounds.items()}
+
+
+def summarise_profile(rounds: list, rows: int) -> dict:
+    """One variant's profiled rounds, each ``(wall ms, {op: (self ms, calls)})``: the medians over
+    the rounds of the step's wall time, of the self time of its ops by kind (bench/gpu.py's
+    ``kernel_kind``), of the time outside any op, and of each op's time (an op missing from a round
+    counts 0 there); the ``rows`` slowest ops, with their most calls in a round."""
+    from bench.gpu import KIND_NAMES, kernel_kind, time_by_kind
+
+    kinds = [time_by_kind((op, ms) for op, (ms, _) in ops.items()) for _, ops in rounds]
+    names = set().union(*(ops for _, ops in rounds))
+    op_ms = {op: statistics.median(ops.get(op, (0.0, 0))[0] for _, ops in rounds) for op in names}
+    top = sorted(names, key=lambda op: (-op_ms[op], op))[:rows]
+    return {"step_ms": statistics.median(wall for wall, _ in rounds),
+            "by_kind_ms": {k: statistics.median(by.get(k, 0.0) for by in kinds) for k in KIND_NAMES},
+            "outside_ops_ms": statistics.median(wall - sum(ms for ms, _ in ops.values()) for wall, ops in rounds),
+            "top": [{"op": op, "kind": kernel_kind(op), "ms": op_ms[op],
+                     "calls": max(ops.get(op, (0.0, 0))[1] for _, ops in rounds)} for op in top]}
 
 
 def profiles(args, backends: list[str]) -> dict:
@@ -695,15 +700,20 @@ def profiles(args, backends: list[str]) -> dict:
 
 
 def render_profiles(args, prof: dict) -> str:
-    kinds = ("attention", "matmul", "inductor", "other")
+    from bench.gpu import KIND_NAMES
+
     L = [f"torch.profiler, ms per step by kind of op (self CPU time), each the median of {args.repeats} interleaved "
-         f"profiled steps after {1 + args.warmup} untimed (profiled: slower than the timing above; the kinds' "
-         "medians need not add up to the step's):", "",
-         "| backend | variant | step | " + " | ".join(kinds) + " | outside ops |", "|---|---|" + "---:|" * (len(kinds) + 2)]
+         f"profiled steps after {1 + args.warmup} untimed. Profiled steps are timed apart from the table above and "
+         "their ratios differ from its: compare the kinds within this table. The medians of the kinds need not add "
+         "up to the step's.", "",
+         "| backend | variant | step | x baseline | " + " | ".join(KIND_NAMES) + " | outside ops |",
+         "|---|---|" + "---:|" * (len(KIND_NAMES) + 3)]
     for b, res in prof.items():
+        ref = res.get("baseline", {}).get("step_ms")
         for v, r in res.items():
-            cells = [f"{r['by_kind_ms'].get(k, 0.0):.1f}" for k in kinds]
-            L.append(f"| {b} | {v} | {r['step_ms']:.1f} | " + " | ".join(cells) + f" | {r['outside_ops_ms']:.1f} |")
+            x = f"{r['step_ms'] / ref:.2f}" if ref else "-"
+            cells = [f"{r['by_kind_ms'][k]:.1f}" for k in KIND_NAMES]
+            L.append(f"| {b} | {v} | {r['step_ms']:.1f} | {x} | " + " | ".join(cells) + f" | {r['outside_ops_ms']:.1f} |")
     for b, res in prof.items():
         for v, r in res.items():
             L += ["", f"{b}, {v}: top ops by self CPU time", "| ms/step | calls/step | kind | op |", "|---:|---:|---|---|"]
@@ -859,7 +869,8 @@ def main(argv=None) -> int:
         if missing:
             print(f"error: --hlo-root {args.hlo_root}: no {' or '.join(missing)} there", file=sys.stderr)
             return 2
-    given = {a.split("=")[0] for a in (argv if argv is not None else sys.argv[1:]) if a.startswith("--loss-")}
+    given_options = {a.split("=")[0] for a in (argv if argv is not None else sys.argv[1:]) if a.startswith("--")}
+    given = {a for a in given_options if a.startswith("--loss-")}
     if given - {"--loss-steps"} and not args.loss_steps:
         print(f"error: {', '.join(sorted(given))} apply with --loss-steps N (the loss comparison)", file=sys.stderr)
         return 2
@@ -879,6 +890,14 @@ def main(argv=None) -> int:
         return 2
     if args.profile and not {"eager", "compile"} & set(backends):
         print("error: --profile profiles the eager and compile backends: name one in --backends", file=sys.stderr)
+        return 2
+    alone = [o for o, on in (("--hlo-only", args.hlo_only), ("--compile-split", args.compile_split),
+                             ("--loss-steps", args.loss_steps)) if on]
+    if args.profile and alone:
+        print(f"error: --profile profiles the timed steps, which {alone[0]} does not run", file=sys.stderr)
+        return 2
+    if "--profile-rows" in given_options and not args.profile:
+        print("error: --profile-rows applies with --profile", file=sys.stderr)
         return 2
     if args.profile_rows < 1:
         print(f"error: --profile-rows must be >= 1, got {args.profile_rows}", file=sys.stderr)

@@ -362,6 +362,7 @@ def test_profile_splits_each_step_by_kind_of_op():
                                                                              variants=["baseline"]))}
     finally:
         torch.set_num_threads(threads)
+        torch._dynamo.reset()   # the tiny model's compiled entries: not counted against later tests' limit
     for backend, res in prof.items():
         for v, r in res.items():
             kinds = r["by_kind_ms"]
@@ -375,12 +376,37 @@ def test_profile_splits_each_step_by_kind_of_op():
     assert "| eager | nash-mhc |" in text and "compile, baseline: top ops by self CPU time" in text
 
 
-def test_bench_model_profile_needs_a_torch_backend():
-    r = subprocess.run([sys.executable, str(ROOT / "bench" / "model.py"), "--backends", "xla", "--profile"],
-                       capture_output=True, text=True, env=ENV)
+def test_profile_rounds_are_summarised_by_medians():
+    """Three rounds of one variant: each kind's, the step's and each op's median (an op missing
+    from a round is 0 there), the most calls in a round, the slowest ops first."""
+    from bench import model as bench_model
+
+    mm, sdpa, k0, mul = ("aten::mm", "aten::_scaled_dot_product_flash_attention_for_cpu",
+                         "graph_0_cpp_fused_add_mul_0", "aten::mul")
+    rounds = [(100.0, {mm: (50.0, 4), sdpa: (20.0, 2), mul: (5.0, 10)}),
+              (130.0, {mm: (70.0, 4), sdpa: (30.0, 2), k0: (9.0, 1), mul: (6.0, 12)}),
+              (110.0, {mm: (60.0, 4), sdpa: (10.0, 2), k0: (3.0, 1), mul: (7.0, 11)})]
+    r = bench_model.summarise_profile(rounds, rows=3)
+    assert r["step_ms"] == 110.0
+    assert r["by_kind_ms"] == {"matmul": 60.0, "attention": 20.0, "inductor": 3.0, "other": 6.0}
+    assert r["outside_ops_ms"] == pytest.approx(25.0)   # 25, 15, 30 (sorted: 15, 25, 30)
+    assert [(t["op"], t["kind"], t["ms"], t["calls"]) for t in r["top"]] == [
+        (mm, "matmul", 60.0, 4), (sdpa, "attention", 20.0, 2), (mul, "other", 6.0, 12)]
+    assert bench_model.summarise_profile(rounds, rows=9)["top"][-1] == {"op": k0, "kind": "inductor", "ms": 3.0,
+                                                                        "calls": 1}
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--backends", "xla", "--profile"], "--profile profiles the eager and compile backends: name one in --backends"),
+    (["--backends", "eager", "--profile", "--hlo-only"], "--profile profiles the timed steps, which --hlo-only "
+                                                          "does not run"),
+    (["--backends", "eager", "--profile-rows", "3"], "--profile-rows applies with --profile"),
+])
+def test_bench_model_profile_options_are_checked(args, message):
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "model.py"), *args], capture_output=True, text=True,
+                       env=ENV)
     assert r.returncode == 2 and r.stdout == ""
-    assert r.stderr.strip().splitlines() == ["error: --profile profiles the eager and compile backends: name one "
-                                             "in --backends"]
+    assert r.stderr.strip().splitlines() == [f"error: {message}"]
 
 
 def test_a_cold_worker_times_the_variant_without_the_tiny_model_before_it(monkeypatch):
