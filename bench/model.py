@@ -896,7 +896,7 @@ def main(argv=None) -> int:
     if args.profile and alone:
         print(f"error: --profile profiles the timed steps, which {alone[0]} does not run", file=sys.stderr)
         return 2
-    if "--profile-rows" in given_options and not args.profile:
+    if "--profile-rows" in given_options and not (args.profile or args.profile_here):
         print("error: --profile-rows applies with --profile", file=sys.stderr)
         return 2
     if args.profile_rows < 1:

@@ -333,12 +333,13 @@ def test_compile_warmups_are_measured_alone(monkeypatch):
 
 
 @pytest.mark.slow
-def test_profile_splits_each_step_by_kind_of_op():
-    """--profile's worker at a tiny shape (in this process; bench/model.py runs it in one per
-    backend): eager runs no inductor kernel, torch.compile's generated kernels are recorded one by
-    one (``kernel_kind`` "inductor", not lumped into the graph's call as "other"); both see
-    attention and matmuls; with one round the kinds and the time outside any op add up to the
-    step; the top ops are the slowest, each of a kind."""
+def test_profile_splits_each_step_by_kind_of_op(tmp_path):
+    """--profile at a tiny shape: eager as a user runs it (bench/model.py, its worker process),
+    torch.compile's worker in this process (its inductor set-up is ~30 s in a fresh one). Eager
+    runs no inductor kernel, torch.compile's generated kernels are recorded one by one
+    (``kernel_kind`` "inductor", not lumped into the graph's call as "other"); both see attention
+    and matmuls; with one round the kinds and the time outside any op add up to the step; the top
+    ops are the slowest, each of a kind."""
     import argparse
 
     import torch
@@ -352,14 +353,19 @@ def test_profile_splits_each_step_by_kind_of_op():
                 sinkhorn_iters=20, threads=1, warmup=0, repeats=1, profile_rows=5, stream_dtype=None,
                 model_root=None)
     # what the worker sets for its process, put back for the tests after this one
+    tiny = [f"--{k.replace('_', '-')}={v}" for k, v in args.items() if v is not None]
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "model.py"), "--backends", "eager", "--variants",
+                        "baseline,nash-mhc", "--no-memory", "--profile", *tiny, "--json", str(tmp_path / "out.json")],
+                       capture_output=True, text=True, env=ENV, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    prof = json.loads((tmp_path / "out.json").read_text())["profile"]
+    assert list(prof) == ["eager"] and list(prof["eager"]) == ["baseline", "nash-mhc"]
     try:
         with torch._inductor.config.patch({"cpp.enable_kernel_profile": False}), \
                 torch._dynamo.config.patch(recompile_limit=torch._dynamo.config.recompile_limit):
-            prof = {"eager": bench_model.profile_worker(argparse.Namespace(**args, worker="eager",
-                                                                           variants=["baseline", "nash-mhc"])),
-                    # the baseline alone: inductor's warm-up of even a tiny nash-mhc is ~40 s here
-                    "compile": bench_model.profile_worker(argparse.Namespace(**args, worker="compile",
-                                                                             variants=["baseline"]))}
+            # the baseline alone: inductor's warm-up of even a tiny nash-mhc is ~40 s here
+            prof["compile"] = bench_model.profile_worker(argparse.Namespace(**args, worker="compile",
+                                                                            variants=["baseline"]))
     finally:
         torch.set_num_threads(threads)
         torch._dynamo.reset()   # the tiny model's compiled entries: not counted against later tests' limit
