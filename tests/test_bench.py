@@ -352,7 +352,6 @@ def test_profile_splits_each_step_by_kind_of_op(tmp_path):
     args = dict(batch=1, seq=64, vocab=67, d_model=32, n_layers=1, n_heads=2, n_kv_heads=2, window=16,
                 sinkhorn_iters=20, threads=1, warmup=0, repeats=1, profile_rows=5, stream_dtype=None,
                 model_root=None)
-    # what the worker sets for its process, put back for the tests after this one
     tiny = [f"--{k.replace('_', '-')}={v}" for k, v in args.items() if v is not None]
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "model.py"), "--backends", "eager", "--variants",
                         "baseline,nash-mhc", "--no-memory", "--profile", *tiny, "--json", str(tmp_path / "out.json")],
@@ -360,7 +359,7 @@ def test_profile_splits_each_step_by_kind_of_op(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     prof = json.loads((tmp_path / "out.json").read_text())["profile"]
     assert list(prof) == ["eager"] and list(prof["eager"]) == ["baseline", "nash-mhc"]
-    try:
+    try:   # what the worker sets for its process, put back for the tests after this one
         with torch._inductor.config.patch({"cpp.enable_kernel_profile": False}), \
                 torch._dynamo.config.patch(recompile_limit=torch._dynamo.config.recompile_limit):
             # the baseline alone: inductor's warm-up of even a tiny nash-mhc is ~40 s here
