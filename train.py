@@ -22,7 +22,8 @@ from training.loop import main, train
 
 def run(cfg) -> int:
     try:
-        backend = TorchBackend(cfg.training.device, fsdp=cfg.training.fsdp, timeout_s=cfg.training.dist_timeout_s)
+        backend = TorchBackend(cfg.training.device, fsdp=cfg.training.fsdp, timeout_s=cfg.training.dist_timeout_s,
+                               cpu_malloc=cfg.training.cpu_malloc)
     except ValueError as e:
         print(f"train.py: error: {e}", file=sys.stderr)
         return 2

@@ -63,13 +63,14 @@ Memory (eager): each variant again in a fresh process that runs one warm-up step
 backward), resets the kernel's resident-set high-water mark (/proc/self/clear_refs) and runs one
 more: "peak RSS" is the high-water mark during that step (it includes the ~0.5 GiB of the torch
 import and the model), "step RSS" how far the step raised it above the resident set just before it.
-With glibc's default malloc, freed blocks of a few MiB go back to the kernel and are faulted in
-again on the next allocation; --tuned-malloc keeps them (as jemalloc or tcmalloc would).
+The memory worker runs on glibc's default heap whatever --cpu-malloc says (a fixed mmap threshold
+of 64 KiB: the resident set follows the live tensors); the eager and compile backends time the
+step with train.py's training.cpu_malloc (--cpu-malloc, default: train.py's, tuned), the xla
+backend as train_xla.py runs, on glibc's defaults.
 """
 from __future__ import annotations
 
 import argparse
-import ctypes
 import dataclasses
 import json
 import os
@@ -98,18 +99,6 @@ VARIANTS = {
 DEFAULT_VARIANTS = ("baseline", "nash-mhc", "mhc-only", "nash-only", "nash-mhc-sinkhorn")
 BACKENDS = ("eager", "compile", "xla")
 TARGETS = {"eager": 1.4, "compile": 1.25, "xla": 1.3}   # issue 13, nash-mhc / baseline at its shape
-
-
-def tune_glibc_malloc() -> bool:
-    """Keep freed memory in glibc's heap (fixed 32 MiB mmap threshold, 1 GiB trim threshold)
-    instead of returning it to the kernel and faulting it in again on the next allocation; the
-    effect of jemalloc or tcmalloc, which PyTorch's CPU tuning guide recommends."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return False
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    return bool(libc.mallopt(m_mmap_threshold, 32 << 20)) and bool(libc.mallopt(m_trim_threshold, 1 << 30))
 
 
 def model_module(args, variant: str):
@@ -232,7 +221,8 @@ def torch_step(args, variant: str, compiled: bool):
     model = build_model(make_config(args, variant))
     if compiled:
         compile_regions(model)                   # train.py's training.compile
-    opt = build_optimizer(model, TrainingConfig(), TorchBackend("cpu").adamw_factory())
+    # train.py's backend on the CPU, with its training.cpu_malloc (process-wide, as in train.py)
+    opt = build_optimizer(model, TrainingConfig(), TorchBackend("cpu", cpu_malloc=args.cpu_malloc).adamw_factory())
     idx = torch.randint(0, args.vocab, (args.batch, args.seq))
     tgt = torch.randint(0, args.vocab, (args.batch, args.seq))
 
@@ -604,9 +594,9 @@ def memory_worker(args) -> None:
 
 
 def measure_memory(args, variant: str) -> dict:
-    # --tuned-malloc is a timing setting: forwarded here, it would keep the warm-up step's memory
-    # in the heap and the measured step's figure would read ~0
-    cmd = [sys.executable, __file__, "--memory-worker", variant] + [a for a in forwarded(args) if a != "--tuned-malloc"]
+    # (the worker builds no TorchBackend, so --cpu-malloc does not reach its heap: kept, the warm-up
+    # step's memory would stay in it and the measured step's figure would read ~0)
+    cmd = [sys.executable, __file__, "--memory-worker", variant] + forwarded(args)
     # A fixed glibc mmap threshold: every allocation above 64 KiB gets its own mapping, returned to
     # the kernel when freed, so the resident set follows the live tensors instead of the heap's
     # high-water mark.
@@ -624,8 +614,7 @@ def forwarded(args) -> list[str]:
     out.append("--variants=" + ",".join(args.variants))
     if args.stream_dtype:
         out.append(f"--stream-dtype={args.stream_dtype}")
-    if args.tuned_malloc:
-        out.append("--tuned-malloc")
+    out.append(f"--cpu-malloc={args.cpu_malloc}")
     if args.model_root:
         out.append(f"--model-root={args.model_root}")
     return out
@@ -740,7 +729,7 @@ def render(args, report: dict) -> str:
          + (f", stream_dtype {args.stream_dtype}" if args.stream_dtype else "")
          + f"; {args.threads} thread(s)"
          + ("" if args.hlo_only else f"; median of {args.repeats} interleaved rounds after {args.warmup}; "
-            f"{'tuned' if args.tuned_malloc else 'default'} glibc malloc")
+            f"cpu_malloc {args.cpu_malloc} (eager, compile)")
          + f"; load average {report['load'][0]:.2f} at the start, {report['load'][1]:.2f} at the end"]
     timed = {b: r for b, r in report["backends"].items() if "results" in r}
     if timed:
@@ -797,6 +786,8 @@ def render(args, report: dict) -> str:
 
 
 def main(argv=None) -> int:
+    from training.config import TrainingConfig
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated, from: " + ", ".join(BACKENDS))
     p.add_argument("--batch", type=int, default=4)
@@ -833,8 +824,9 @@ def main(argv=None) -> int:
                    "(another checkout of the project), side by side: before/after")
     p.add_argument("--model-root", metavar="DIR", help="another checkout of the project: variants named "
                    "root:NAME are built by its model.py and timed in the same processes as this checkout's")
-    p.add_argument("--tuned-malloc", action="store_true",
-                   help="time with glibc malloc keeping freed memory (see tune_glibc_malloc)")
+    p.add_argument("--cpu-malloc", choices=("tuned", "default"), default=TrainingConfig().cpu_malloc,
+                   help="the eager and compile backends' training.cpu_malloc (default: train.py's, %(default)s): "
+                        "tuned, glibc keeps freed memory; default, glibc's own settings")
     p.add_argument("--profile", action="store_true",
                    help="also profile each variant's step on the eager and compile backends: ms per step by kind "
                         "of op (attention, matmul, inductor's kernels, other) and the top ops")
@@ -901,9 +893,6 @@ def main(argv=None) -> int:
         return 2
     if args.profile_rows < 1:
         print(f"error: --profile-rows must be >= 1, got {args.profile_rows}", file=sys.stderr)
-        return 2
-    if args.tuned_malloc and not tune_glibc_malloc():
-        print("error: --tuned-malloc: glibc's mallopt is not available here", file=sys.stderr)
         return 2
     if args.memory_worker:
         os.environ["OMP_NUM_THREADS"] = str(args.threads)

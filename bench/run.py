@@ -501,8 +501,8 @@ def time_train_steps(model_cfgs: dict, batch: int, seq: int, device: str, precis
     from training.backend import TorchBackend
     from training.config import Config
 
-    backend = TorchBackend(device)
     cfg = Config()
+    backend = TorchBackend(device, cpu_malloc=cfg.training.cpu_malloc)
     cfg.training.compile = compile
     # each model compiles the blocks' one code object (and lm_loss) again, as does each earlier
     # call in this process (bench/run.py: 4 variants x 3 lengths): past Dynamo's default limit of 8

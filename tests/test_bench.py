@@ -325,7 +325,7 @@ def test_compile_warmups_are_measured_alone(monkeypatch):
     # the report says both, each over the baseline's
     args = argparse.Namespace(batch=4, seq=512, d_model=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab=512,
                               window=128, sinkhorn_iters=20, stream_dtype=None, threads=2, hlo_only=False,
-                              repeats=5, warmup=1, tuned_malloc=False, warmup_rounds=3)
+                              repeats=5, warmup=1, cpu_malloc="tuned", warmup_rounds=3)
     for r in out.values():
         r.update(cpu_s=r["wall_s"])
     text = bench_model.render(args, {"load": (0.0, 0.0), "backends": {"compile": {"results": out}}})
@@ -351,7 +351,7 @@ def test_profile_splits_each_step_by_kind_of_op(tmp_path):
     threads = torch.get_num_threads()
     args = dict(batch=1, seq=64, vocab=67, d_model=32, n_layers=1, n_heads=2, n_kv_heads=2, window=16,
                 sinkhorn_iters=20, threads=1, warmup=0, repeats=1, profile_rows=5, stream_dtype=None,
-                model_root=None)
+                model_root=None, cpu_malloc="default")   # in-process: the test process's heap as it is
     tiny = [f"--{k.replace('_', '-')}={v}" for k, v in args.items() if v is not None]
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "model.py"), "--backends", "eager", "--variants",
                         "baseline,nash-mhc", "--no-memory", "--profile", *tiny, "--json", str(tmp_path / "out.json")],
@@ -440,7 +440,7 @@ def test_a_cold_worker_times_the_variant_without_the_tiny_model_before_it(monkey
 
 
 def test_memory_is_measured_with_the_plain_heap_under_tuned_malloc():
-    """--tuned-malloc (a timing setting: glibc keeps freed memory) must not reach the memory
+    """--cpu-malloc tuned (a timing setting: glibc keeps freed memory) must not reach the memory
     worker: there the heap would keep the warm-up step's memory, and the measured step's rise
     above the resident set before it would read a fraction of it (16 KiB of a ~300 MiB step at
     issue 13's shape, ~16 of ~60 MiB at one layer of it)."""
@@ -450,8 +450,8 @@ def test_memory_is_measured_with_the_plain_heap_under_tuned_malloc():
 
     args = argparse.Namespace(batch=4, seq=512, vocab=512, d_model=256, n_layers=1, n_heads=8, n_kv_heads=4,
                               window=128, sinkhorn_iters=20, threads=1, warmup=0, repeats=1, variants=["baseline"],
-                              stream_dtype=None, tuned_malloc=True, model_root=None)
-    plain = bench_model.measure_memory(argparse.Namespace(**{**vars(args), "tuned_malloc": False}), "baseline")
+                              stream_dtype=None, cpu_malloc="tuned", model_root=None)
+    plain = bench_model.measure_memory(argparse.Namespace(**{**vars(args), "cpu_malloc": "default"}), "baseline")
     tuned = bench_model.measure_memory(args, "baseline")
     assert plain["step_rss"] > 32 * 2 ** 20   # ~60 MiB; with the tuned heap it had read ~16 MiB
     assert tuned["step_rss"] > plain["step_rss"] / 2

@@ -41,6 +41,8 @@ def test_trains_logs_and_checkpoints(tmp_path, stdlib_data, capsys, monkeypatch)
     assert (ck["data"]["epoch"], ck["data"]["offset"]) == (0, 20 * 4)   # 80 of the data's thousands of samples
     assert ck["data"]["fingerprint"] == data_fingerprint(json.loads((stdlib_data / "meta.json").read_text()))
     assert "config (resolved)" in r.stderr and "effective batch" in r.stderr
+    if __import__("platform").libc_ver()[0] == "glibc":   # training.cpu_malloc's default, on the CPU
+        assert "device: cpu (glibc malloc keeps freed memory) x 1 replica(s)" in r.stderr
     # sample.py finds the newest checkpoint and the tokenizer through the stored config
     r = run(["sample.py", str(tmp_path / "run"), "--prompt", "def ", "--max-new-tokens", "20",
              "--num-samples", "2"])

@@ -1060,6 +1060,33 @@ def test_muon_adamw_groups_match_torch_adamw():
             torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.skipif(__import__("platform").libc_ver()[0] != "glibc", reason="glibc's mallopt")
+def test_cpu_malloc_tuned_keeps_a_freed_activation_in_the_heap():
+    """training.cpu_malloc: with glibc's defaults a freed block of 24 MiB (one activation of a
+    small model) goes back to the kernel, to be faulted in again page by page at the next step;
+    tuned, the process keeps it. Each setting in a process of its own (it is process-wide), read
+    from the kernel's resident set, not from our own code."""
+    script = (
+        "import sys, torch\n"
+        "from training.backend import TorchBackend\n"
+        "def rss():\n"
+        "    return next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('VmRSS:')) * 1024\n"
+        "b = TorchBackend('cpu', cpu_malloc=sys.argv[1])\n"
+        "before = rss()\n"
+        "x = torch.ones(6 << 20)\n"
+        "del x\n"
+        "print(b.device_name(), (rss() - before) >> 20, sep='|')\n")
+    kept = {}
+    for setting in ("tuned", "default"):
+        r = subprocess.run([sys.executable, "-c", script, setting], capture_output=True, text=True, cwd=ROOT,
+                           env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        name, mib = r.stdout.strip().splitlines()[-1].split("|")
+        kept[setting] = (name, int(mib))
+    assert kept["tuned"][0] == "cpu (glibc malloc keeps freed memory)" and kept["tuned"][1] >= 20, kept
+    assert kept["default"][0] == "cpu" and kept["default"][1] < 8, kept
+
+
 def test_cpu_backend_builds_muon_on_the_fused_kernel():
     from training.backend import TorchBackend
     cfg = load_config(None, ["training.optimizer=muon", "training.max_steps=1"])
