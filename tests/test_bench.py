@@ -146,7 +146,8 @@ def test_time_train_steps_on_cpu():
                            **bench.MODEL_VARIANTS[v]) for v in ("baseline", "nash-mhc")}
     res = bench.time_train_steps(cfgs, batch=2, seq=64, device="cpu", precision="fp32", compile=False,
                                  warmup=1, repeats=2)
-    assert res["device"] == "cpu" and res["compile"] is False and res["peak_flops"] is None
+    # train.py's backend, its training.cpu_malloc included (glibc: "cpu (glibc malloc keeps freed memory)")
+    assert res["device"].split(" (")[0] == "cpu" and res["compile"] is False and res["peak_flops"] is None
     for v, cfg in cfgs.items():
         r = res["models"][v]
         assert r["step_s"] > 0 and r["tokens_per_sec"] == pytest.approx(2 * 64 / r["step_s"])
