@@ -375,9 +375,9 @@ def keep_freed_memory() -> bool:
     MiB (by default glibc maps each large block apart and unmaps it when freed) and a trim threshold
     of 1 GiB. A CPU training step allocates and frees the same activations every step; with glibc's
     defaults each one of a few MiB goes back to the kernel when freed and is faulted in again, page
-    by page, at its next allocation (bench/model.py's eager step, issue 13's shape: Nash-MHC 898 ->
-    784 ms, the baseline 617 -> 577). jemalloc and tcmalloc, which PyTorch's CPU tuning guide
-    recommends, keep it too. False where glibc's ``mallopt`` is not there (macOS, musl)."""
+    by page, at its next allocation (bench/model.py's eager step at issue 13's shape, two pairs of
+    runs: Nash-MHC 4-13% faster, the baseline 3-7%). jemalloc and tcmalloc, which PyTorch's CPU
+    tuning guide recommends, keep it too. False where glibc's ``mallopt`` is not there (macOS, musl)."""
     try:
         libc = ctypes.CDLL("libc.so.6")
         mallopt = libc.mallopt
@@ -452,6 +452,8 @@ class TorchBackend(Backend):
         else:
             self.rank, self.world_size, self.local_rank = 0, 1, 0
         self.is_master = self.rank == 0
+        if cpu_malloc not in ("tuned", "default"):
+            raise ValueError(f"training.cpu_malloc={cpu_malloc!r}: expected tuned or default")
         self.device = self._pick_device(device)
         # training.cpu_malloc; process-wide, so set here by the process's one backend
         self.malloc_tuned = self.device.type == "cpu" and cpu_malloc == "tuned" and keep_freed_memory()
