@@ -63,10 +63,10 @@ Memory (eager): each variant again in a fresh process that runs one warm-up step
 backward), resets the kernel's resident-set high-water mark (/proc/self/clear_refs) and runs one
 more: "peak RSS" is the high-water mark during that step (it includes the ~0.5 GiB of the torch
 import and the model), "step RSS" how far the step raised it above the resident set just before it.
-The memory worker runs on glibc's default heap whatever --cpu-malloc says (a fixed mmap threshold
-of 64 KiB: the resident set follows the live tensors); the eager and compile backends time the
-step with train.py's training.cpu_malloc (--cpu-malloc, default: train.py's, tuned), the xla
-backend as train_xla.py runs, on glibc's defaults.
+The memory worker never tunes glibc's heap, whatever --cpu-malloc says, and runs with a fixed mmap
+threshold of 64 KiB (the resident set follows the live tensors); the eager and compile backends
+time the step with train.py's training.cpu_malloc (--cpu-malloc, default: train.py's, tuned), the
+xla backend as train_xla.py runs, on glibc's defaults.
 """
 from __future__ import annotations
 
@@ -99,6 +99,7 @@ VARIANTS = {
 DEFAULT_VARIANTS = ("baseline", "nash-mhc", "mhc-only", "nash-only", "nash-mhc-sinkhorn")
 BACKENDS = ("eager", "compile", "xla")
 TARGETS = {"eager": 1.4, "compile": 1.25, "xla": 1.3}   # issue 13, nash-mhc / baseline at its shape
+CPU_MALLOC = "tuned"   # train.py's training.cpu_malloc default (a test keeps them equal; no torch import here)
 
 
 def model_module(args, variant: str):
@@ -786,8 +787,6 @@ def render(args, report: dict) -> str:
 
 
 def main(argv=None) -> int:
-    from training.config import TrainingConfig
-
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated, from: " + ", ".join(BACKENDS))
     p.add_argument("--batch", type=int, default=4)
@@ -824,7 +823,7 @@ def main(argv=None) -> int:
                    "(another checkout of the project), side by side: before/after")
     p.add_argument("--model-root", metavar="DIR", help="another checkout of the project: variants named "
                    "root:NAME are built by its model.py and timed in the same processes as this checkout's")
-    p.add_argument("--cpu-malloc", choices=("tuned", "default"), default=TrainingConfig().cpu_malloc,
+    p.add_argument("--cpu-malloc", choices=("tuned", "default"), default=CPU_MALLOC,
                    help="the eager and compile backends' training.cpu_malloc (default: train.py's, %(default)s): "
                         "tuned, glibc keeps freed memory; default, glibc's own settings")
     p.add_argument("--profile", action="store_true",

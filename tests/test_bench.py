@@ -138,16 +138,20 @@ def test_compare_runs_with_fixed_timings():
     assert summary["late"]["val_loss_at_T"] is None and summary["late"]["delta_at_T"] is None
 
 
-def test_time_train_steps_on_cpu():
-    """The GPU speed path's timer, on the CPU without compile: every model times, MFU needs a peak."""
+def test_time_train_steps_on_cpu(monkeypatch):
+    """The GPU speed path's timer, on the CPU without compile: every model times, MFU needs a peak;
+    its backend is train.py's, training.cpu_malloc included (not applied to this process's heap here)."""
     from model import ModelConfig, NashMHC
+    from training import backend as B
+
+    monkeypatch.setattr(B, "keep_freed_memory", lambda: True)
 
     cfgs = {v: ModelConfig(vocab_size=256, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, max_seq_len=64,
                            **bench.MODEL_VARIANTS[v]) for v in ("baseline", "nash-mhc")}
     res = bench.time_train_steps(cfgs, batch=2, seq=64, device="cpu", precision="fp32", compile=False,
                                  warmup=1, repeats=2)
-    # train.py's backend, its training.cpu_malloc included (glibc: "cpu (glibc malloc keeps freed memory)")
-    assert res["device"].split(" (")[0] == "cpu" and res["compile"] is False and res["peak_flops"] is None
+    assert res["device"] == "cpu (glibc malloc keeps freed memory)" and res["compile"] is False
+    assert res["peak_flops"] is None
     for v, cfg in cfgs.items():
         r = res["models"][v]
         assert r["step_s"] > 0 and r["tokens_per_sec"] == pytest.approx(2 * 64 / r["step_s"])
@@ -352,7 +356,7 @@ def test_profile_splits_each_step_by_kind_of_op(tmp_path):
     threads = torch.get_num_threads()
     args = dict(batch=1, seq=64, vocab=67, d_model=32, n_layers=1, n_heads=2, n_kv_heads=2, window=16,
                 sinkhorn_iters=20, threads=1, warmup=0, repeats=1, profile_rows=5, stream_dtype=None,
-                model_root=None, cpu_malloc="default")   # in-process: the test process's heap as it is
+                model_root=None, cpu_malloc="default")   # the compile worker below runs in this process
     tiny = [f"--{k.replace('_', '-')}={v}" for k, v in args.items() if v is not None]
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "model.py"), "--backends", "eager", "--variants",
                         "baseline,nash-mhc", "--no-memory", "--profile", *tiny, "--json", str(tmp_path / "out.json")],
@@ -438,6 +442,15 @@ def test_a_cold_worker_times_the_variant_without_the_tiny_model_before_it(monkey
             assert built == want and list(out["results"]) == ["nash-mhc"], (cold, built)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_bench_model_times_with_train_py_s_cpu_malloc():
+    """bench/model.py's torch backends are train.py's step: the same training.cpu_malloc default,
+    named apart so that its command line does not import torch to learn it."""
+    from bench import model as bench_model
+    from training.config import TrainingConfig
+
+    assert bench_model.CPU_MALLOC == TrainingConfig().cpu_malloc
 
 
 def test_memory_is_measured_with_the_plain_heap_under_tuned_malloc():

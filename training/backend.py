@@ -372,17 +372,29 @@ def compile_region(fn: Callable) -> Callable:
 
 def keep_freed_memory() -> bool:
     """Make glibc's malloc keep freed memory in the process's heap: a fixed mmap threshold of 32
-    MiB (by default glibc maps each large block apart and unmaps it when freed) and a trim threshold
-    of 1 GiB. A CPU training step allocates and frees the same activations every step; with glibc's
-    defaults each one of a few MiB goes back to the kernel when freed and is faulted in again, page
-    by page, at its next allocation (bench/model.py's eager step at issue 13's shape, two pairs of
-    runs: Nash-MHC 4-13% faster, the baseline 3-7%). jemalloc and tcmalloc, which PyTorch's CPU
-    tuning guide recommends, keep it too. False where glibc's ``mallopt`` is not there (macOS, musl)."""
+    MiB and a trim threshold of 1 GiB. By default glibc gives the free top of its heap back to the
+    kernel once it passes the trim threshold (twice the mmap threshold, which follows the largest
+    block freed so far, up to 32 MiB), and maps and unmaps every block above the mmap threshold. A
+    CPU training step frees its activations together, far more than that: with the defaults most of
+    its memory went back to the kernel every step and was faulted in again, page by page, the next
+    (40 blocks of 4 MiB: 160 MiB faulted in again each round; tuned, none after the first).
+    bench/model.py's eager step at issue 13's shape, two pairs of runs: Nash-MHC 4-13% faster, the
+    baseline 3-7%. Blocks above 32 MiB, and a free heap top above 1 GiB, still go back.
+
+    False where glibc's malloc is not the process's allocator: no glibc (macOS, musl), or jemalloc
+    or tcmalloc preloaded (PyTorch's CPU tuning guide recommends them; they keep freed memory
+    themselves, and glibc's ``mallopt`` would succeed on a heap no one uses)."""
+    import platform
+
+    if platform.libc_ver()[0] != "glibc":
+        return False
     try:
-        libc = ctypes.CDLL("libc.so.6")
-        mallopt = libc.mallopt
+        libc, process = ctypes.CDLL("libc.so.6"), ctypes.CDLL(None)
+        mallopt, ours, used = libc.mallopt, libc.malloc, process.malloc
     except (OSError, AttributeError):
         return False
+    if ctypes.cast(ours, ctypes.c_void_p).value != ctypes.cast(used, ctypes.c_void_p).value:
+        return False   # another malloc is first in the process's symbol lookup (LD_PRELOAD)
     m_trim_threshold, m_mmap_threshold = -1, -3
     return bool(mallopt(m_mmap_threshold, 32 << 20)) and bool(mallopt(m_trim_threshold, 1 << 30))
 
@@ -643,9 +655,9 @@ class TorchBackend(Backend):
 
     def device_name(self) -> str:
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else self.device.type
-        if self.malloc_tuned:
-            name += " (glibc malloc keeps freed memory)"
-        return f"{name} (FSDP2 over {self.world_size} processes)" if self.fsdp else name
+        notes = ["glibc malloc keeps freed memory"] * self.malloc_tuned + \
+            [f"FSDP2 over {self.world_size} processes"] * self.fsdp
+        return f"{name} ({'; '.join(notes)})" if notes else name
 
     def peak_flops(self, precision: str = "bf16") -> float | None:
         if self.device.type == "cuda":

@@ -90,9 +90,10 @@ class TrainingConfig:
                         default="auto")
     cpu_malloc: Literal["tuned", "default"] = _help(
         "train.py on the CPU (glibc: Linux): tuned keeps freed memory in the process's heap (mmap "
-        "threshold 32 MiB, trim threshold 1 GiB) instead of handing each freed activation back to the "
-        "kernel and faulting it in again the next step, as jemalloc or tcmalloc would (PyTorch's CPU "
-        "tuning guide); default leaves glibc's own settings", default="tuned")
+        "threshold 32 MiB, trim threshold 1 GiB) where glibc's defaults give most of a step's freed "
+        "activations back to the kernel and fault them in again the next step, as jemalloc or "
+        "tcmalloc would (PyTorch's CPU tuning guide; with either preloaded, nothing is changed); "
+        "default leaves glibc's own settings", default="tuned")
     fsdp: bool = _help("train.py under torchrun: shard parameters, gradients and optimizer state "
                        "over the processes with FSDP2 (fully_shard per block); checkpoints become "
                        "DCP directories", default=False)
