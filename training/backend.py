@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import platform
 import sys
 import warnings
 from pathlib import Path
@@ -384,8 +385,6 @@ def keep_freed_memory() -> bool:
     False where glibc's malloc is not the process's allocator: no glibc (macOS, musl), or jemalloc
     or tcmalloc preloaded (PyTorch's CPU tuning guide recommends them; they keep freed memory
     themselves, and glibc's ``mallopt`` would succeed on a heap no one uses)."""
-    import platform
-
     if platform.libc_ver()[0] != "glibc":
         return False
     try:
@@ -655,8 +654,11 @@ class TorchBackend(Backend):
 
     def device_name(self) -> str:
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else self.device.type
-        notes = ["glibc malloc keeps freed memory"] * self.malloc_tuned + \
-            [f"FSDP2 over {self.world_size} processes"] * self.fsdp
+        notes = []
+        if self.malloc_tuned:
+            notes.append("glibc malloc keeps freed memory")
+        if self.fsdp:
+            notes.append(f"FSDP2 over {self.world_size} processes")
         return f"{name} ({'; '.join(notes)})" if notes else name
 
     def peak_flops(self, precision: str = "bf16") -> float | None:
