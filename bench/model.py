@@ -343,7 +343,7 @@ def backend_worker(args) -> dict:
     out: dict = {"backend": args.worker, "threads": args.threads}
     builder = XLAStepBuilder() if args.worker == "xla" else None
     if args.worker == "compile":
-        _many_compiled_variants()
+        many_compiled_variants()
 
     def make(variant, a=args):
         if builder is not None:
@@ -621,11 +621,12 @@ def forwarded(args) -> list[str]:
     return out
 
 
-def _many_compiled_variants() -> None:
+def many_compiled_variants() -> None:
+    """Let one process compile the blocks' one code object for many models (each variant, each
+    sequence length is one more compiled entry of it): past Dynamo's default limit of 8 graphs,
+    fullgraph's recompilation error ended the 8th model's compile instead of compiling it."""
     import torch._dynamo
 
-    # every variant's blocks run one code object: each is one more compiled entry of it, and at
-    # the default limit (8) fullgraph's recompilation error ended the 8th variant's compile
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
 
 
@@ -644,7 +645,7 @@ def profile_worker(args) -> dict:
         import torch._inductor.config
 
         torch._inductor.config.cpp.enable_kernel_profile = True
-        _many_compiled_variants()
+        many_compiled_variants()
     steps = {}
     for v in args.variants:
         steps[v] = torch_step(args, v, compiled)[0]

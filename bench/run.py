@@ -71,7 +71,7 @@ elif str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench.model import VARIANTS as MODEL_VARIANTS  # noqa: E402
-from bench.model import interleaved, time_variants, write_json  # noqa: E402
+from bench.model import interleaved, many_compiled_variants, time_variants, write_json  # noqa: E402
 
 SECTIONS = ("learning", "speed", "attention", "data", "xla")
 VARIANTS = ("baseline", "nash-mhc", "mhc-only", "nash-only")   # the baseline first: the reference
@@ -504,10 +504,7 @@ def time_train_steps(model_cfgs: dict, batch: int, seq: int, device: str, precis
     cfg = Config()
     backend = TorchBackend(device, cpu_malloc=cfg.training.cpu_malloc)
     cfg.training.compile = compile
-    # each model compiles the blocks' one code object (and lm_loss) again, as does each earlier
-    # call in this process (bench/run.py: 4 variants x 3 lengths): past Dynamo's default limit of 8
-    # graphs, which with fullgraph is an error, not a fallback to eager
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
+    many_compiled_variants()   # each model, and each earlier call here (4 variants x 3 lengths)
     amp = backend.autocast_dtype(precision)
     on_cuda = backend.device.type == "cuda"
     sync = torch.cuda.synchronize if on_cuda else None
