@@ -1074,12 +1074,14 @@ def _malloc_probe(*args, preload=None) -> str:
 def test_cpu_malloc_tuned_keeps_a_steps_freed_activations_in_the_heap():
     """training.cpu_malloc: a step's activations (here 40 of 4 MiB), freed together, go back to the
     kernel with glibc's defaults and are faulted in again at the next step; tuned, the process keeps
-    them and the next step reuses them. Read from the kernel's resident set, not from our code."""
+    them and the next step reuses them. Read from the kernel's resident set (its anonymous part: code
+    pages the process faults in meanwhile are not the heap's), not from our code; a margin of 40 MiB
+    for the rest of the process (a CI run of the whole resident set read 24 MiB)."""
     script = (
         "import sys, torch\n"
         "from training.backend import TorchBackend\n"
         "def rss():\n"
-        "    return next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('VmRSS:')) >> 10\n"
+        "    return next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('RssAnon:')) >> 10\n"
         "b = TorchBackend('cpu', cpu_malloc=sys.argv[1])\n"
         "torch.ones(1)\n"
         "rises = []\n"
@@ -1093,7 +1095,7 @@ def test_cpu_malloc_tuned_keeps_a_steps_freed_activations_in_the_heap():
     default = _malloc_probe(script, "default").split("|")
     assert tuned[0] == "cpu (glibc malloc keeps freed memory)" and default[0] == "cpu", (tuned, default)
     assert int(tuned[1]) >= 150 and int(default[1]) >= 150, (tuned, default)   # the first step: 160 MiB
-    assert int(tuned[2]) < 16 and int(default[2]) >= 120, (tuned, default)     # the second: kept, or again
+    assert int(tuned[2]) < 40 and int(default[2]) >= 120, (tuned, default)     # the second: kept, or again
 
 
 @pytest.mark.skipif(__import__("platform").libc_ver()[0] != "glibc" or not __import__("shutil").which("gcc"),
