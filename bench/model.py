@@ -34,7 +34,8 @@ Every backend runs in its own process. In it, every variant first takes one step
 of the compiler land on none of them), then all take turns, one step each per round (every other
 round in reverse), so a change in the machine's load hits them alike: the median over --repeats
 rounds after --warmup rounds, as wall time and as the process's CPU time. "x baseline" divides by
-the baseline measured in the same process. The component split: mhc-only and nash-only against the
+the baseline measured in the same process; "rounds" gives the least and the most of the variant's
+step over the baseline's in the same round, how far the machine moved the ratio during the run. The component split: mhc-only and nash-only against the
 baseline. Warm-ups in one process are not independent: a kernel whose source an earlier variant
 already compiled is not compiled again (inductor's in-process code cache), so every variant after
 the first would warm up faster than alone. The compile backend therefore measures each variant's
@@ -724,6 +725,16 @@ def write_json(path: str, data: dict) -> None:
 # ----------------------------------------------------------------------------------------------
 # The report.
 
+def round_band(x: dict, ref: dict | None) -> str | None:
+    """``"LO-HI"``: the least and the most of ``x``'s step over ``ref``'s in the same round of
+    ``interleaved`` (None without both rounds' times). Each round's two steps ran next to each other,
+    so the spread is the machine's, which the ratio of the medians does not show."""
+    if not ref or len(x.get("wall_all") or ()) != len(ref.get("wall_all") or ()) or not x.get("wall_all"):
+        return None
+    ratios = [a / b for a, b in zip(x["wall_all"], ref["wall_all"])]
+    return f"{min(ratios):.2f}-{max(ratios):.2f}"
+
+
 def render(args, report: dict) -> str:
     L = [f"Nash-MHC vs baseline, training step (forward+backward+AdamW, fp32): batch {args.batch} x seq "
          f"{args.seq}, d_model {args.d_model}, {args.n_layers} layers, {args.n_heads} heads ({args.n_kv_heads} kv), "
@@ -737,7 +748,7 @@ def render(args, report: dict) -> str:
     if timed:
         w = max([19] + [len(v) + 2 for r in timed.values() for v in r["results"]])   # NAME+field=value ones
         L += ["", f"{'backend':<9}{'variant':<{w}}{'params':>11}{'step wall':>12}{'step CPU':>11}{'x baseline':>13}"
-                  f"{'warm-up':>10}{'x baseline':>12}"]
+                  f"{'rounds':>12}{'warm-up':>10}{'x baseline':>12}"]
         for b, r in timed.items():
             res, ref = r["results"], r["results"].get("baseline")
             for v, x in res.items():
@@ -747,10 +758,12 @@ def render(args, report: dict) -> str:
                 if "peak_rss" in x:
                     mem = f"{x['peak_rss'] / 2**20:>9.0f}MiB peak{x['step_rss'] / 2**20:>7.0f}MiB step"
                 L.append(f"{b:<9}{v:<{w}}{x['params']:>11,}{x['wall_s'] * 1e3:>10.1f}ms{x['cpu_s'] * 1e3:>9.1f}ms"
-                         f"{ratio:>13}{x['warmup_s']:>9.1f}s{wratio:>12}{mem}")
+                         f"{ratio:>13}{round_band(x, ref) or '-':>12}{x['warmup_s']:>9.1f}s{wratio:>12}{mem}")
         alone = ("; compile: the median of each variant's alone, in a process of its own, "
                  f"{args.warmup_rounds} round(s) of the variants in turn" if "compile" in timed else "")
         L.append(f"x baseline: wall / CPU time (warm-up: wall{alone}) over 'baseline' in the same process; "
+                 "rounds: the least and the most of the variant's step over the baseline's in the same round "
+                 "(how far the machine moved the ratio in this run); "
                  "targets for nash-mhc: " + ", ".join(f"{b} <= {t}" for b, t in TARGETS.items()))
         first = {v: x["first_step_s"] for v, x in timed.get("compile", {}).get("results", {}).items()
                  if "first_step_s" in x}
@@ -767,7 +780,10 @@ def render(args, report: dict) -> str:
                 ref = res["baseline"]
 
                 def cell(v, key="wall_s"):
-                    return f"{res[v][key] / ref[key]:.2f}x" if v in res else ""
+                    if v not in res:
+                        return ""
+                    band = round_band(res[v], ref) if key == "wall_s" else None
+                    return f"{res[v][key] / ref[key]:.2f}x" + (f" ({band})" if band else "")
 
                 nash = f"{res['nash-mhc']['wall_s'] * 1e3:.0f} ms" if "nash-mhc" in res else ""
                 L.append(f"| {b} | {ref['wall_s'] * 1e3:.0f} ms | {nash} | {cell('nash-mhc')} | {cell('mhc-only')} | "
