@@ -47,7 +47,8 @@ again); the report gives it beside the warm-up.
 
 torch.compile's warm-up by phase (--compile-split, instead of the timing): each variant alone in
 a fresh process and inductor cache with TORCHINDUCTOR_COMPILE_THREADS=1, so every C++ compiler call
-(one per kernel) runs in the process and is timed; the rest by Dynamo's phase timers
+(one per group of generated kernels between two extern calls, a GEMM or an attention call: inductor's
+CPU code flushes a group there) runs in the process and is timed; the rest by Dynamo's phase timers
 (torch._dynamo.utils.compilation_time_metrics: tracing, AOT joint graph, partition, lowering,
 scheduler, code generation). Serial, so longer than the two-thread warm-up of the timing run.
 
