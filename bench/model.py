@@ -35,8 +35,8 @@ of the compiler land on none of them), then all take turns, one step each per ro
 round in reverse), so a change in the machine's load hits them alike: the median over --repeats
 rounds after --warmup rounds, as wall time and as the process's CPU time. "x baseline" divides by
 the baseline measured in the same process; "rounds" gives the least and the most of the variant's
-step over the baseline's in the same round, how far the machine moved the ratio during the run. The component split: mhc-only and nash-only against the
-baseline. Warm-ups in one process are not independent: a kernel whose source an earlier variant
+step over the baseline's in the same round: how far the machine moved the ratio during the run.
+The component split: mhc-only and nash-only against the baseline. Warm-ups in one process are not independent: a kernel whose source an earlier variant
 already compiled is not compiled again (inductor's in-process code cache), so every variant after
 the first would warm up faster than alone. The compile backend therefore measures each variant's
 warm-up again in a worker of its own (fresh cache, after the tiny model): "warm-up" is that
@@ -56,6 +56,10 @@ Where the step's time goes (--profile, after the timing): each variant's step on
 compile backends, in a process per backend (compile: a fresh cache), under torch.profiler: the
 self CPU time of its ops per step by kind (bench/gpu.py's kernel kinds: attention, matmul,
 inductor's generated kernels, each recorded alone, other), the time outside any op, and the top ops.
+The profiler's own allocations move the heap under a profiled step: its memory-bound ops (mHC's
+4-stream element-wise work) took several times their unprofiled time in some steps (the read's
+outer product 1.8-2.9 ms a call against 0.42 ms, bench/RESULTS.md 2026-11-29), so the profile says
+which ops run and how often, not how the step's time divides.
 
 HLO lines per layer (--hlo, --hlo-only): bench/xla.py's ``compile`` (the training
 step's model graph, forward + backward, as the XLA backend builds it, unrolled) in a fresh process
@@ -697,8 +701,9 @@ def render_profiles(args, prof: dict) -> str:
 
     L = [f"torch.profiler, ms per step by kind of op (self CPU time), each the median of {args.repeats} interleaved "
          f"profiled steps after {1 + args.warmup} untimed. Profiled steps are timed apart from the table above and "
-         "their ratios differ from its: compare the kinds within this table. The medians of the kinds need not add "
-         "up to the step's.", "",
+         "their ratios differ from its. The profiler slows memory-bound ops (element-wise work over large tensors) "
+         "several-fold in some steps, so these kinds say which ops run, not how the step's time divides. The "
+         "medians of the kinds need not add up to the step's.", "",
          "| backend | variant | step | x baseline | " + " | ".join(KIND_NAMES) + " | outside ops |",
          "|---|---|" + "---:|" * (len(KIND_NAMES) + 3)]
     for b, res in prof.items():
@@ -758,8 +763,9 @@ def render(args, report: dict) -> str:
                 mem = ""
                 if "peak_rss" in x:
                     mem = f"{x['peak_rss'] / 2**20:>9.0f}MiB peak{x['step_rss'] / 2**20:>7.0f}MiB step"
+                band = round_band(x, ref) if v != "baseline" else None
                 L.append(f"{b:<9}{v:<{w}}{x['params']:>11,}{x['wall_s'] * 1e3:>10.1f}ms{x['cpu_s'] * 1e3:>9.1f}ms"
-                         f"{ratio:>13}{round_band(x, ref) or '-':>12}{x['warmup_s']:>9.1f}s{wratio:>12}{mem}")
+                         f"{ratio:>13}{band or '-':>12}{x['warmup_s']:>9.1f}s{wratio:>12}{mem}")
         alone = ("; compile: the median of each variant's alone, in a process of its own, "
                  f"{args.warmup_rounds} round(s) of the variants in turn" if "compile" in timed else "")
         L.append(f"x baseline: wall / CPU time (warm-up: wall{alone}) over 'baseline' in the same process; "

@@ -294,8 +294,8 @@ def test_bench_model_root_variant_without_a_root_is_a_one_line_error():
 def test_report_gives_each_ratio_s_spread_over_the_rounds():
     """Beside the ratio of the medians, the report gives the least and the most of the variant's
     step over the baseline's in the same round (the two ran next to each other), in the text and in
-    the markdown table; a result without per-round times, or with a different number of rounds,
-    gets none."""
+    the markdown table; the baseline's own rows, a result without per-round times, or with a
+    different number of rounds, get none."""
     import argparse
 
     from bench import model as bench_model
@@ -307,16 +307,16 @@ def test_report_gives_each_ratio_s_spread_over_the_rounds():
     args = argparse.Namespace(batch=4, seq=512, d_model=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab=512,
                               window=128, sinkhorn_iters=20, stream_dtype=None, threads=2, hlo_only=False,
                               repeats=3, warmup=1, cpu_malloc="tuned", warmup_rounds=1)
-    # rounds: 1.3, 1.1, 1.5 the baseline's; the medians' ratio 1.5 / 1.0
-    res = {"baseline": result([1.0, 2.0, 1.0]), "nash-mhc": result([1.3, 2.2, 1.5]),
-           "mhc-only": {**result([1.2, 1.2]), "wall_s": 1.2}, "nash-only": {**result([1.1]), "wall_all": None}}
+    # rounds: 1.6, 1.1 and 1.0 the baseline's, so 1.00-1.60; the medians' ratio is 1.6 / 1.5. Paired
+    # by sorted rank, or against the baseline's rounds reversed, it would read 1.07-1.50.
+    res = {"baseline": result([1.0, 2.0, 1.5]), "nash-mhc": result([1.6, 2.2, 1.5]),
+           "mhc-only": result([1.2, 1.2]), "nash-only": {**result([1.2]), "wall_all": None}}
     text = bench_model.render(args, {"load": (0.0, 0.0), "backends": {"eager": {"results": res}}})
-    line = next(s for s in text.splitlines() if s.startswith("eager") and "nash-mhc" in s)
-    assert line.split()[5:9] == ["1.50", "/", "1.50", "1.10-1.50"]
-    assert "| eager | 1000 ms | 1500 ms | 1.50x (1.10-1.50) | 1.20x | 1.10x |" in text
-    assert bench_model.round_band(res["baseline"], res["baseline"]) == "1.00-1.00"
-    assert bench_model.round_band(res["mhc-only"], res["baseline"]) is None      # 2 rounds against 3
-    assert bench_model.round_band(res["nash-only"], res["baseline"]) is None     # none recorded
+    rows = {s.split()[1]: s.split() for s in text.splitlines() if s.startswith("eager ")}
+    assert rows["nash-mhc"][5:9] == ["1.07", "/", "1.07", "1.00-1.60"]
+    assert rows["baseline"][5:9] == ["1.00", "/", "1.00", "-"]
+    assert rows["mhc-only"][8] == rows["nash-only"][8] == "-"      # 2 rounds against 3; none recorded
+    assert "| eager | 1500 ms | 1600 ms | 1.07x (1.00-1.60) | 0.80x | 0.80x |" in text
     assert bench_model.round_band(res["nash-mhc"], None) is None
 
 
