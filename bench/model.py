@@ -36,11 +36,11 @@ round in reverse), so a change in the machine's load hits them alike: the median
 rounds after --warmup rounds, as wall time and as the process's CPU time. "x baseline" divides by
 the baseline measured in the same process; "rounds" gives the least and the most of the variant's
 step over the baseline's in the same round: how far the machine moved the ratio during the run.
-The component split: mhc-only and nash-only against the baseline. Warm-ups in one process are not independent: a kernel whose source an earlier variant
-already compiled is not compiled again (inductor's in-process code cache), so every variant after
-the first would warm up faster than alone. The compile backend therefore measures each variant's
-warm-up again in a worker of its own (fresh cache, after the tiny model): "warm-up" is that
-figure. Each round also times each variant's first step in a fresh process and an empty cache
+The component split: mhc-only and nash-only against the baseline. Warm-ups in one process are not
+independent: a kernel whose source an earlier variant already compiled is not compiled again
+(inductor's in-process code cache), so every variant after the first would warm up faster than
+alone. The compile backend therefore measures each variant's warm-up again in a worker of its
+own (fresh cache, after the tiny model): "warm-up" is that figure. Each round also times each variant's first step in a fresh process and an empty cache
 without the tiny model: a first launch's first step, the compiler's one-time set-up included in
 both (~9 s on 2 cores here; most of it, not in inductor's on-disk cache, every later launch pays
 again); the report gives it beside the warm-up.
