@@ -40,17 +40,18 @@ The component split: mhc-only and nash-only against the baseline. Warm-ups in on
 independent: a kernel whose source an earlier variant already compiled is not compiled again
 (inductor's in-process code cache), so every variant after the first would warm up faster than
 alone. The compile backend therefore measures each variant's warm-up again in a worker of its
-own (fresh cache, after the tiny model): "warm-up" is that figure. Each round also times each variant's first step in a fresh process and an empty cache
-without the tiny model: a first launch's first step, the compiler's one-time set-up included in
-both (~9 s on 2 cores here; most of it, not in inductor's on-disk cache, every later launch pays
-again); the report gives it beside the warm-up.
+own (fresh cache, after the tiny model): "warm-up" is that figure. Each round also times each
+variant's first step in a fresh process and an empty cache without the tiny model: a first
+launch's first step, the compiler's one-time set-up included in both (~9 s on 2 cores here; most
+of it, not in inductor's on-disk cache, every later launch pays again); the report gives it beside
+the warm-up.
 
 torch.compile's warm-up by phase (--compile-split, instead of the timing): each variant alone in
 a fresh process and inductor cache with TORCHINDUCTOR_COMPILE_THREADS=1, so every C++ compiler call
-(one per group of generated kernels between two extern calls, a GEMM or an attention call: inductor's
-CPU code flushes a group there) runs in the process and is timed; the rest by Dynamo's phase timers
-(torch._dynamo.utils.compilation_time_metrics: tracing, AOT joint graph, partition, lowering,
-scheduler, code generation). Serial, so longer than the two-thread warm-up of the timing run.
+(one per group of generated kernels between two extern calls, a GEMM or an attention call:
+inductor's CPU code flushes a group there) runs in the process and is timed; the rest by Dynamo's
+phase timers (torch._dynamo.utils.compilation_time_metrics: tracing, AOT joint graph, partition,
+lowering, scheduler, code generation). Serial, so longer than the two-thread warm-up of the timing run.
 
 Where the step's time goes (--profile, after the timing): each variant's step on the eager and
 compile backends, in a process per backend (compile: a fresh cache), under torch.profiler: the
@@ -735,9 +736,10 @@ def round_band(x: dict, ref: dict | None) -> str | None:
     """``"LO-HI"``: the least and the most of ``x``'s step over ``ref``'s in the same round of
     ``interleaved`` (None without both rounds' times). Each round's two steps ran next to each other,
     so the spread is the machine's, which the ratio of the medians does not show."""
-    if not ref or len(x.get("wall_all") or ()) != len(ref.get("wall_all") or ()) or not x.get("wall_all"):
+    rounds, ref_rounds = x.get("wall_all"), (ref or {}).get("wall_all")
+    if not rounds or not ref_rounds or len(rounds) != len(ref_rounds):
         return None
-    ratios = [a / b for a, b in zip(x["wall_all"], ref["wall_all"])]
+    ratios = [a / b for a, b in zip(rounds, ref_rounds)]
     return f"{min(ratios):.2f}-{max(ratios):.2f}"
 
 
