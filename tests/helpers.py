@@ -4,7 +4,9 @@ import fcntl
 import hashlib
 import json
 import os
+import random
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -79,6 +81,28 @@ def metrics(run_dir: Path) -> list[dict]:
 
 def losses(run_dir: Path) -> dict[int, float]:
     return {m["step"]: m["loss"] for m in metrics(run_dir)}
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing holds now, for a rendezvous that a test's processes make
+    (MASTER_PORT). Drawn below the kernel's ephemeral range: every outgoing connection (gloo's, in a
+    test running alongside) takes its local port from that range, so a port released here could go
+    to one of those before the test's process binds it; below it only another test drawing the
+    same port in the same instant could take it."""
+    try:
+        first_ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        first_ephemeral = 49152  # IANA's range (macOS)
+    draw = random.SystemRandom()  # not the tests' seeded generator: two xdist workers draw apart
+    for _ in range(200):
+        port = draw.randrange(10000, max(first_ephemeral, 10001))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free TCP port below the ephemeral range on 127.0.0.1")
 
 
 def run(args, env=None, **kw):

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import ENV, ROOT, in_process, losses, run, tiny_config
+from helpers import ENV, ROOT, free_port, in_process, losses, run, tiny_config
 import training.checkpoint as checkpoint_module
 from training.checkpoint import (FORMAT_VERSION, MARKER, Checkpointer, CheckpointError, atomic_torch_save,
                                  checkpoint_digest, checkpoint_path, find_latest, find_resume, list_checkpoints,
@@ -484,11 +484,8 @@ def test_a_backend_destroys_only_the_process_groups_it_made(tmp_path):
     """TorchBackend.shutdown: a default group that a caller (a notebook, a test, a launcher)
     initialised stays usable, only the backend's own gloo groups are destroyed; a default group
     the backend made is destroyed with every group."""
-    import socket
     import torch.multiprocessing as mp
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     mp.spawn(_shutdowns, args=(str(tmp_path / "store"), port, str(tmp_path)), nprocs=2)
     for rank in (0, 1):
         assert json.loads((tmp_path / f"{rank}.json").read_text()) == {
@@ -539,11 +536,8 @@ def test_a_process_that_stops_taking_part_fails_the_others_after_dist_timeout_s(
     """training.dist_timeout_s reaches every group train.py makes: a collective whose partner never
     comes raises after 2 s instead of waiting gloo's default 30 minutes (which this test's own
     limit would end as a failure)."""
-    import socket
     import torch.multiprocessing as mp
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     mp.spawn(_stall, args=(port, str(tmp_path)), nprocs=2)
     res = json.loads((tmp_path / "0.json").read_text())
     assert set(res) == {"host decision", "training group", "checkpoint group"}

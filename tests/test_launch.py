@@ -4,14 +4,13 @@ and its launch problems together, before any work, and all refuse with the same 
 "nodes" (``--nnodes=2``, one process each, on this machine) given different command lines."""
 import json
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from helpers import ENV, ROOT, tiny_config
+from helpers import ENV, ROOT, free_port, tiny_config
 from training.config import ConfigError, load_config
 from training.launch import (PER_HOST_KEYS, agree_at_launch, config_difference, config_items, config_text,
                              configs_differ, launch_entry, launch_verdict, under_torchrun)
@@ -222,17 +221,11 @@ def test_two_processes_reach_the_same_verdict(tmp_path, stdlib_data):
 
 # -- two torchrun nodes --------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def two_nodes(tmp_path: Path, cfg: Path, node_args: list[list[str]], timeout: float = 240) -> list[tuple[int, str]]:
     """``torchrun --nnodes=2 --nproc_per_node=1 train.py CFG ARGS`` as two nodes on this machine,
     node I with ``node_args[I]``: each node's (exit code, stderr). A node that has not ended after
     ``timeout`` s (one waiting for the other in the rendezvous) fails the test."""
-    port = _free_port()
+    port = free_port()
     procs, logs = [], []
     for node, args in enumerate(node_args):
         log = tmp_path / f"node{node}.log"

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from helpers import ENV, ROOT, metrics, once_per_session, run, run_patched, script_report, tiny_config
+from helpers import ENV, ROOT, free_port, metrics, once_per_session, run, run_patched, script_report, tiny_config
 from training.config import ConfigError, load_config
 from training.data import data_fingerprint
 from training.monitor import peak_flops_for
@@ -165,11 +165,8 @@ def test_hosts_that_refuse_together_at_launch_leave_no_process_group(tmp_path, s
     """Two SPMD hosts started with other learning rates: both refuse with the same line, and the
     gloo group the backend made for the agreement is gone (no backend is returned to shut down:
     the backend destroys it itself)."""
-    import socket
     from concurrent.futures import ThreadPoolExecutor
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     cfg = tiny_config(tmp_path, stdlib_data)
     env = {**ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     with ThreadPoolExecutor(2) as pool:
@@ -185,10 +182,7 @@ def test_a_host_whose_peers_never_come_stops_after_dist_timeout_s(tmp_path, stdl
     """torch_xla 2.9's xla:// rendezvous makes its TCP store with torch's default 300 s, whatever
     timeout it is given: a host whose peers never came (or came over 5 minutes later) failed after
     300 s with a DistStoreError traceback, training.dist_timeout_s unused. Host 1 of 2 alone here."""
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     cfg = tiny_config(tmp_path, stdlib_data, **{"training.max_steps": 2, "training.dist_timeout_s": 3})
     patch = "import torch_xla.runtime as xr\nxr.process_count = lambda: 2\nxr.process_index = lambda: 1\n"
     r = run_patched(tmp_path, patch, ["train_xla.py", str(cfg), "xla.mode=spmd"],
