@@ -105,6 +105,23 @@ def free_port() -> int:
     raise RuntimeError("no free TCP port below the ephemeral range on 127.0.0.1")
 
 
+def spawn_two(fn, args: tuple, timeout: float = 300) -> None:
+    """``fn(rank, *args)`` in two processes (torch.multiprocessing.spawn), which must end within
+    ``timeout`` s: one that hangs (in a collective whose partner never came) is killed and fails
+    the test in one line naming it, instead of at pytest's 900 s limit with both still running.
+    A process that raised fails it with its traceback, as spawn does."""
+    import torch.multiprocessing as mp
+    ctx = mp.spawn(fn, args=args, nprocs=2, join=False)
+    deadline = time.monotonic() + timeout
+    while not ctx.join(timeout=max(0.0, deadline - time.monotonic())):
+        if time.monotonic() >= deadline:
+            hung = [rank for rank, p in enumerate(ctx.processes) if p.is_alive()]
+            for p in ctx.processes:
+                p.kill()
+                p.join()
+            raise AssertionError(f"{fn.__name__}: process(es) {hung} still running after {timeout:.0f} s")
+
+
 def run(args, env=None, **kw):
     return subprocess.run([sys.executable, *args], cwd=ROOT, env=env or ENV, capture_output=True,
                           text=True, timeout=600, **kw)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import ENV, ROOT, free_port, in_process, losses, run, tiny_config
+from helpers import ENV, ROOT, free_port, in_process, losses, run, spawn_two, tiny_config
 import training.checkpoint as checkpoint_module
 from training.checkpoint import (FORMAT_VERSION, MARKER, Checkpointer, CheckpointError, atomic_torch_save,
                                  checkpoint_digest, checkpoint_path, find_latest, find_resume, list_checkpoints,
@@ -445,8 +445,7 @@ def _decide(rank, store_path, out_dir):
 
 
 def test_host_group_decisions_are_the_same_everywhere(tmp_path):
-    import torch.multiprocessing as mp
-    mp.spawn(_decide, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2)
+    spawn_two(_decide, (str(tmp_path / "store"), str(tmp_path)))
     for rank in (0, 1):
         res = json.loads((tmp_path / f"{rank}.json").read_text())
         assert res == {"any": [True, False, True], "equal": True, "differ": False, "size": 2,
@@ -484,9 +483,8 @@ def test_a_backend_destroys_only_the_process_groups_it_made(tmp_path):
     """TorchBackend.shutdown: a default group that a caller (a notebook, a test, a launcher)
     initialised stays usable, only the backend's own gloo groups are destroyed; a default group
     the backend made is destroyed with every group."""
-    import torch.multiprocessing as mp
     port = free_port()
-    mp.spawn(_shutdowns, args=(str(tmp_path / "store"), port, str(tmp_path)), nprocs=2)
+    spawn_two(_shutdowns, (str(tmp_path / "store"), port, str(tmp_path)))
     for rank in (0, 1):
         assert json.loads((tmp_path / f"{rank}.json").read_text()) == {
             "made_when_there_was_one": False, "host_size": 2, "callers_group_sum": 2.0,
@@ -536,9 +534,8 @@ def test_a_process_that_stops_taking_part_fails_the_others_after_dist_timeout_s(
     """training.dist_timeout_s reaches every group train.py makes: a collective whose partner never
     comes raises after 2 s instead of waiting gloo's default 30 minutes (which this test's own
     limit would end as a failure)."""
-    import torch.multiprocessing as mp
     port = free_port()
-    mp.spawn(_stall, args=(port, str(tmp_path)), nprocs=2)
+    spawn_two(_stall, (port, str(tmp_path)))
     res = json.loads((tmp_path / "0.json").read_text())
     assert set(res) == {"host decision", "training group", "checkpoint group"}
     for name, said in res.items():
@@ -582,9 +579,8 @@ def test_a_checkpoint_dir_the_hosts_do_not_share_is_refused_by_all(tmp_path, sha
     then every save would leave the master's directory without the other host's shards. find()
     refuses on both processes, in one line, before anything trains; a shared one passes and
     leaves no probe behind."""
-    import torch.multiprocessing as mp
     dirs = [str(tmp_path / "run")] * 2 if shared else [str(tmp_path / "host0"), str(tmp_path / "host1")]
-    mp.spawn(_find_in, args=(str(tmp_path / "store"), dirs, str(tmp_path)), nprocs=2)
+    spawn_two(_find_in, (str(tmp_path / "store"), dirs, str(tmp_path)))
     res = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in (0, 1)]
     if shared:
         assert res == [{"found": None}] * 2
@@ -705,7 +701,6 @@ def test_hosts_resuming_from_their_own_copies_must_hold_the_same_checkpoint(tmp_
     """checkpoint.resume: a path on each host's own disk. Copies of one checkpoint resume; two
     different checkpoints under the same name and step (a copy of another run's) are refused on
     both processes with one line, where the names alone had agreed and the hosts trained apart."""
-    import torch.multiprocessing as mp
     model, opt, backend, _ = _setup(fmt == "dcp", run_dir=tmp_path / "a")
     backend.checkpoint_format = fmt
     name = "ckpt_00000003" + (".pt" if fmt == "file" else "")
@@ -718,8 +713,8 @@ def test_hosts_resuming_from_their_own_copies_must_hold_the_same_checkpoint(tmp_
     (shutil.copytree if fmt == "dcp" else shutil.copy)(tmp_path / "a" / name, copy)
     for resumes, same in (((tmp_path / "a" / name, copy), True), ((tmp_path / "a" / name, tmp_path / "b" / name), False)):
         run_dir = tmp_path / f"run-{same}"
-        mp.spawn(_find_in, args=(str(tmp_path / f"store-{same}"), [str(run_dir)] * 2, str(tmp_path), None, fmt,
-                                 None, [str(r) for r in resumes]), nprocs=2)
+        spawn_two(_find_in, (str(tmp_path / f"store-{same}"), [str(run_dir)] * 2, str(tmp_path), None, fmt,
+                             None, [str(r) for r in resumes]))
         res = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in (0, 1)]
         if same:
             assert [r.get("found") for r in res] == [str(r) for r in resumes]
@@ -747,11 +742,10 @@ def test_checkpoints_of_which_none_loads_are_refused_not_restarted_over(tmp_path
 def test_a_checkpoint_one_process_cannot_load_is_refused_by_both(tmp_path):
     """Process 1 cannot load the checkpoint process 0 resumes from: both refuse with the same
     line (one refusing alone would leave the other waiting in a collective)."""
-    import torch.multiprocessing as mp
     model, opt, backend, ck = _setup(False, run_dir=tmp_path / "run")
     ck.save(_meta(3), model, opt, "test", wait=True)
     dirs = [str(tmp_path / "run")] * 2
-    mp.spawn(_find_in, args=(str(tmp_path / "store"), dirs, str(tmp_path), 1), nprocs=2)
+    spawn_two(_find_in, (str(tmp_path / "store"), dirs, str(tmp_path), 1))
     res = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in (0, 1)]
     assert res[0]["error"].startswith(f"{tmp_path / 'run'}: the processes see different checkpoints to resume from")
     assert res[1]["error"].startswith(f"{tmp_path / 'run'}: the processes see different checkpoints to resume from")
@@ -778,9 +772,8 @@ def test_a_checkpoint_dir_one_process_cannot_write_is_refused_by_all_for_sharded
     after training. Now every process writes (and removes) a probe of its own at the check, and
     all refuse together in one line naming the process. Single-file saves (the master writes
     alone) do not need it."""
-    import torch.multiprocessing as mp
     run_dir = str(tmp_path / "run")
-    mp.spawn(_find_in, args=(str(tmp_path / "store"), [run_dir] * 2, str(tmp_path), None, fmt, 1), nprocs=2)
+    spawn_two(_find_in, (str(tmp_path / "store"), [run_dir] * 2, str(tmp_path), None, fmt, 1))
     res = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in (0, 1)]
     if fmt == "file":
         assert res == [{"found": None}] * 2

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import ENV, ROOT, free_port, tiny_config
+from helpers import ENV, ROOT, free_port, spawn_two, tiny_config
 from training.config import ConfigError, load_config
 from training.launch import (PER_HOST_KEYS, agree_at_launch, config_difference, config_items, config_text,
                              configs_differ, launch_entry, launch_verdict, under_torchrun)
@@ -205,7 +205,6 @@ def test_two_processes_reach_the_same_verdict(tmp_path, stdlib_data):
     """Over a real gloo group: one process with another learning rate and data.dir missing on
     the other; both get the same line (the problem first), then with the data there, the
     config's difference."""
-    import torch.multiprocessing as mp
     cfg = str(tiny_config(tmp_path, stdlib_data))
     cases = {"missing": [(cfg, []), (cfg, [f"data.dir={tmp_path / 'none'}", "training.learning_rate=0.002"])],
              "config": [(cfg, []), (cfg, ["training.learning_rate=0.002"])]}
@@ -215,7 +214,7 @@ def test_two_processes_reach_the_same_verdict(tmp_path, stdlib_data):
     for name, cfgs in cases.items():
         out = tmp_path / name
         out.mkdir()
-        mp.spawn(_agree, args=(str(out / "store"), cfgs, str(out)), nprocs=2)
+        spawn_two(_agree, (str(out / "store"), cfgs, str(out)))
         assert [json.loads((out / f"{r}.json").read_text()) for r in (0, 1)] == [{"error": want[name]}] * 2
 
 
