@@ -583,9 +583,10 @@ def test_fsdp2_sigterm_to_one_rank_stops_all_then_resumes_on_one_process_and_on_
         assert abs(xla[step] - one_process[step]) <= 1e-5 * one_process[step], step
 
 
-def _train_poisoned(tmp_path, stdlib_data, monkeypatch, poison, **over):
+def _train_poisoned(tmp_path, stdlib_data, monkeypatch, poison, saves_every: int = 0, **over):
     """loop.train on CPU with ``poison(model, out, micro_step)`` applied to every training forward's
-    output (1-based micro-steps); returns its exit code."""
+    output (1-based micro-steps), no evaluation and a save every ``saves_every`` steps (0: none);
+    returns its exit code."""
     from training import loop
     from training.backend import TorchBackend
     from training.config import load_config
@@ -601,7 +602,8 @@ def _train_poisoned(tmp_path, stdlib_data, monkeypatch, poison, **over):
             return out
 
     monkeypatch.setattr(loop, "NashMHC", Poisoned)
-    cfg = load_config(tiny_config(tmp_path, stdlib_data, **over), ["evaluation.interval=0", "checkpoint.interval=0"])
+    cfg = load_config(tiny_config(tmp_path, stdlib_data, **over),
+                      ["evaluation.interval=0", f"checkpoint.interval={saves_every}"])
     return loop.train(cfg, TorchBackend("cpu"))
 
 
@@ -663,6 +665,51 @@ def test_weights_an_update_made_nan_are_not_saved_at_the_non_finite_stop(tmp_pat
     assert code == 3 and "the weights themselves are NaN/Inf" in err and "nothing was saved" in err, err[-3000:]
     assert [r["nonfinite_skipped"] for r in metrics(tmp_path / "run")] == [0, 0, 0, 0, 0, 1, 2]
     assert not list((tmp_path / "run").glob("ckpt_*"))
+
+
+def test_a_save_in_flight_is_finished_at_a_non_finite_stop_that_saves_nothing(tmp_path, stdlib_data, monkeypatch,
+                                                                                capsys):
+    """checkpoint.async: step 4's save (finite weights) is still being written when an overflowed
+    update ends the run, which saves nothing new. Returning without waiting for it, the process
+    exited with the writer's daemon thread and the checkpoint worth resuming from was lost (here
+    the write is held until the trainer waits, so without that wait it never lands)."""
+    import threading
+
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+    from training import checkpoint
+
+    waited = threading.Event()
+    real_wait, real_save = checkpoint.Checkpointer.wait, checkpoint.atomic_torch_save
+
+    def wait(self, quiet=False):
+        if self._thread is not None:   # for the save being written (each save first waits for none)
+            waited.set()
+        return real_wait(self, quiet)
+
+    def held_save(obj, path):   # a large model's write to slow storage
+        waited.wait(timeout=60)
+        real_save(obj, path)
+
+    monkeypatch.setattr(checkpoint.Checkpointer, "wait", wait)
+    monkeypatch.setattr(checkpoint, "atomic_torch_save", held_save)
+    updates = []
+
+    def overflow_at_5(optimizer, args, kwargs):
+        updates.append(1)
+        if len(updates) == 5:
+            with torch.no_grad():
+                optimizer.param_groups[0]["params"][0].fill_(float("inf"))
+
+    hook = register_optimizer_step_post_hook(overflow_at_5)
+    try:
+        code = _train_poisoned(tmp_path, stdlib_data, monkeypatch, lambda model, out, n: out, saves_every=4,
+                               **{"training.max_nonfinite_steps": 2, "checkpoint.async": True})
+    finally:
+        hook.remove()
+    err = capsys.readouterr().err
+    assert code == 3 and "nothing was saved" in err, err[-3000:]
+    assert [p.name for p in (tmp_path / "run").glob("ckpt_*")] == ["ckpt_00000004.pt"]
+    assert torch.load(tmp_path / "run" / "ckpt_00000004.pt", weights_only=True)["step"] == 4
 
 
 def test_scattered_nonfinite_steps_do_not_stop_the_run(tmp_path, stdlib_data, monkeypatch):

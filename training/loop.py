@@ -742,6 +742,9 @@ class Trainer:
                               "holds the weights that step saw. Lower training.learning_rate, check "
                               "the data, or use precision=fp32.")
             else:  # saved, they would replace a checkpoint that can be resumed from (rotation)
+                # but a periodic save still being written (checkpoint.async) is of finite weights:
+                # it is finished, not cut off by the interpreter's exit with its daemon thread
+                self.checkpointer.wait()
                 self.log_line(f"{what}, and the weights themselves are NaN/Inf (an update overflowed "
                               "them): nothing was saved. Resume from a checkpoint of a step before the "
                               "loss stopped being finite (metrics.jsonl) with a lower "
