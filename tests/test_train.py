@@ -915,6 +915,31 @@ def test_metrics_continue_cleanly_after_a_crash_and_a_fresh_start(tmp_path, stdl
     assert len(list(run_dir.glob("metrics.*.jsonl"))) == 1
 
 
+def test_the_same_command_with_a_resume_path_goes_on_after_a_stop(tmp_path, stdlib_data):
+    """checkpoint.resume=PATH (a continuation of another run's checkpoint), stopped after its own
+    save at step 6 and started again with the same command (a requeued job): it goes on from its
+    own step 6, as the stop line says, where it was refused for the checkpoints past PATH's step 3.
+    Its later steps are the uninterrupted run's."""
+    over = {"training.max_steps": 9, "checkpoint.interval": 3, "checkpoint.keep": 3, "evaluation.interval": 0}
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    assert run(["train.py", str(tiny_config(tmp_path / "a", stdlib_data, **over))]).returncode == 0
+    start = tmp_path / "a" / "run" / "ckpt_00000003.pt"
+    command = ["train.py", str(tiny_config(tmp_path / "b", stdlib_data, **over)), f"checkpoint.resume={start}"]
+    r = run(command)
+    assert r.returncode == 0, r.stderr[-2000:]
+    run_dir = tmp_path / "b" / "run"
+    whole = losses(run_dir)
+    (run_dir / "ckpt_00000009.pt").unlink()   # as if the job was stopped after step 6's save
+    r = run(command)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert (f"checkpoint.resume={start}: ckpt_00000006.pt in {run_dir} was saved by a run started from it; "
+            "going on from there (step 6)") in r.stderr
+    again = losses(run_dir)
+    assert sorted(again) == sorted(whole) == list(range(4, 10))
+    for step in (7, 8, 9):
+        assert again[step] == pytest.approx(whole[step], rel=1e-6), (step, again[step], whole[step])
+
+
 def test_logging_dir_holds_the_logs_across_a_resume_and_the_export_reads_them(tmp_path, stdlib_data):
     """logging.dir (e.g. a local disk while checkpoint.dir is a gcsfuse bucket, which uploads a
     file only when it is closed): metrics.jsonl and TensorBoard go there,

@@ -634,7 +634,9 @@ class Checkpointer:
         A run that does not continue the run directory's newest checkpoint (``none``, or a path to
         an older one) is refused while the directory holds committed checkpoints past its start:
         its saves would overwrite some of them and leave the others, which ``auto``, sample.py and
-        export_hf.py would then take for this run's newest.
+        export_hf.py would then take for this run's newest. Unless that newest was saved by a run
+        started from the same path (``_continuation``): the same command, run again after a stop,
+        goes on from it.
 
         With several processes, ``checkpoint.dir`` must be one directory for all of them (a DCP
         save writes every process's shards there, the master commits): checked first, with a
@@ -645,8 +647,12 @@ class Checkpointer:
             for p in clean_uncommitted(self.run_dir, warn=self.log):
                 self.log(f"removed {p}: an unfinished save")
         error = found = digest = None
+        continued = False
         try:
-            found = self._find(resume)
+            if resume not in ("auto", "none"):
+                found = self._continuation(resume)
+                continued = found is not None
+            found = found or self._find(resume)
             # what the files hold, not only their names: with checkpoint.resume a path on each
             # host's own disk, hosts that were given different copies would train on apart
             digest = checkpoint_digest(found[0]) if found else None
@@ -654,7 +660,8 @@ class Checkpointer:
             error = e
         self.backend.host.raise_together(error, CheckpointError)  # all stop, or none
         start = found[1]["step"] if found else 0
-        ahead = [p for s, p in list_checkpoints(self.run_dir) if s > start] if resume != "auto" else []
+        ahead = ([p for s, p in list_checkpoints(self.run_dir) if s > start]
+                 if resume != "auto" and not continued else [])
         # auto with committed checkpoints of which none loads: starting over would save new
         # checkpoints among the old ones, under the same names
         unloadable = resume == "auto" and found is None and bool(list_checkpoints(self.run_dir))
@@ -696,6 +703,24 @@ class Checkpointer:
                                       "this run directory, and not a checkpoint directory itself")
             return found
         return path, peek_checkpoint(path)
+
+    def _continuation(self, resume: str) -> tuple[Path, dict] | None:
+        """With ``checkpoint.resume`` a path: the run directory's newest checkpoint that loads, if
+        the run that saved it was started from that same path. The same command run again (a job
+        requeued after a preemption) then goes on from where it stopped, as with ``auto``, instead
+        of being refused for the checkpoints its own first run saved past its start."""
+        if not list_checkpoints(self.run_dir):
+            return None
+        found = find_latest(self.run_dir, warn=self.log)
+        if found is None:
+            return None
+        started = found[1].get("config", {}).get("checkpoint", {}).get("resume")
+        if started in (None, "auto", "none") or (Path(started).expanduser().resolve()
+                                                  != Path(resume).expanduser().resolve()):
+            return None
+        self.log(f"checkpoint.resume={resume}: {found[0].name} in {self.run_dir} was saved by a run "
+                 f"started from it; going on from there (step {found[1]['step']})")
+        return found
 
     def _lock_run_dir(self) -> None:
         """One run at a time in a ``checkpoint.dir``: the master holds an exclusive lock on its
