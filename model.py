@@ -20,8 +20,10 @@ import argparse
 import dataclasses
 import difflib
 import functools
+import hashlib
 import itertools
 import math
+import re
 import sys
 import typing
 from dataclasses import dataclass, field
@@ -407,9 +409,14 @@ def _einsum(equation: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 # One name per loaded copy of this file: bench/model.py --model-root loads another checkout's
-# model.py beside this one, and a second registration of one name would serve both copies.
-opaque_einsum = torch.library.custom_op(f"nash_mhc::einsum_{__name__.replace('.', '_')}", _einsum,
-                                        mutates_args=())
+# model.py beside this one, and a second registration of one name would serve both copies. An op
+# name is an identifier, and a module's name need not be one: transformers names an export's copy
+# after its directory ("my model", "nash+mhc", "modèle"), so the name is kept to ASCII word
+# characters, with a digest of the whole name to keep two such copies apart.
+_op_suffix = re.sub(r"\W", "_", __name__, flags=re.ASCII)
+if _op_suffix != __name__.replace(".", "_"):
+    _op_suffix += "_" + hashlib.sha256(__name__.encode()).hexdigest()[:12]
+opaque_einsum = torch.library.custom_op(f"nash_mhc::einsum_{_op_suffix}", _einsum, mutates_args=())
 opaque_einsum.register_fake(_einsum)   # the same einsum, on fake tensors
 
 

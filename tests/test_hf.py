@@ -229,11 +229,13 @@ def test_a_moved_export_loads_in_a_process_that_never_saw_the_repository(tmp_pat
     repository on the path and a model.py of the user's own in the working directory. transformers
     imports the export's own model.py, never the user's, and the logits are the checkpoint's; an
     export whose model.py fails to import says so (before, the wrapper fell back to whatever
-    "model" module the path held)."""
+    "model" module the path held). The copy's directory name is no identifier: transformers names
+    the module after it, and model.py's op names are made from the module's (before, such a copy
+    failed to load)."""
     import shutil
 
     ours, out = nash_export
-    good, broken = tmp_path / "elsewhere" / "good", tmp_path / "elsewhere" / "broken"
+    good, broken = tmp_path / "elsewhere" / "my copy+é", tmp_path / "elsewhere" / "broken"
     shutil.copytree(out, good)
     shutil.copytree(out, broken)
     with open(broken / "model.py", "a") as f:
