@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from prepare_data import TOKENIZER_FILES, DataError, TokenizerSpec, install
+from prepare_data import MODEL_INPUT_NAMES, TOKENIZER_FILES, DataError, TokenizerSpec, install
 from training.checkpoint import FORMAT_VERSION, CheckpointError, check_checkpoint_out, write_checkpoint_file
 from training.config import Config, ConfigError
 from training.data import tokenizer_difference, unverified_tokenizer_warning
@@ -90,7 +90,7 @@ def export_tokenizer_files(spec: TokenizerSpec, max_seq_len: int) -> dict[str, b
     long prompt's last tokens), model_max_length = the model's max_seq_len (truncation=True then
     cuts where the model stops; the default is no limit), split_special_tokens on (a literal
     "<|endoftext|>" in a text is text, as in the training documents: prepare_data.py's
-    ``as_document_encoder``), and a tokenizer without a pad token (an
+    ``as_document_encoder``), the model's inputs named (``MODEL_INPUT_NAMES``), and a tokenizer without a pad token (an
     imported one, e.g. Llama's) padding with its end-of-text token, as the exported generation
     config does: without one, ``tokenizer(texts, padding=True)`` is an error."""
     files = dict(spec.hf_files)
@@ -106,7 +106,8 @@ def export_tokenizer_files(spec: TokenizerSpec, max_seq_len: int) -> dict[str, b
     else:
         files["tokenizer.json"] = spec.json_text.encode()
     config.update(padding_side="left", truncation_side="left", model_max_length=max_seq_len,
-                  add_bos_token=False, add_eos_token=False, split_special_tokens=True)
+                  add_bos_token=False, add_eos_token=False, split_special_tokens=True,
+                  model_input_names=list(MODEL_INPUT_NAMES))
     if spec.pad is None and not config.get("pad_token"):
         config["pad_token"] = spec.eos
         specials = json.loads(files.get("special_tokens_map.json", b"null"))

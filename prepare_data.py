@@ -55,6 +55,7 @@ MAX_VOCAB_SIZE = 1 << 24
 RECORD_KINDS = {".jsonl": "json", ".json": "json", ".ndjson": "json", ".parquet": "parquet"}
 JSON_LINES = {".jsonl", ".ndjson"}  # read line by line here; .json and .parquet through datasets
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+MODEL_INPUT_NAMES = ("input_ids", "attention_mask")   # what the tokenizer files' AutoTokenizer returns
 BATCH_BYTES = 1 << 20  # text per encode_batch call: large enough to keep both cores busy
 BATCH_DOCS = 4096
 # A document longer than this (characters) is encoded in pieces of about this size, a few at a time:
@@ -595,8 +596,11 @@ class TokenizerSpec:
                                       ("pad_token", self.pad)) if v is not None}
         # split_special_tokens: a literal "<|endoftext|>" in a text is text, as in the documents
         # (as_document_encoder), not the end-of-text id that only ever stood between them
+        # model_input_names: what a tokenizer call returns; transformers 4.x's default adds
+        # token_type_ids, which generate(**tokenizer(text)) refuses for a causal LM
         config = {"tokenizer_class": "PreTrainedTokenizerFast", **specials, "clean_up_tokenization_spaces": False,
-                  "add_bos_token": False, "add_eos_token": False, "split_special_tokens": True}
+                  "add_bos_token": False, "add_eos_token": False, "split_special_tokens": True,
+                  "model_input_names": list(MODEL_INPUT_NAMES)}
         return {"tokenizer_config.json": (json.dumps(config, indent=2) + "\n").encode(),
                 "special_tokens_map.json": (json.dumps(specials, indent=2) + "\n").encode()}
 

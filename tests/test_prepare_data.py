@@ -182,6 +182,9 @@ def test_autotokenizer_matches_trained_tokenizer(stdlib_data):
         assert hf.encode(text, add_special_tokens=False) == ids
         assert hf(text)["input_ids"] == ids  # no special tokens added by default
         assert hf.decode(ids) == text  # no clean-up of spaces
+    # what a call returns, named in the file: transformers 4.x's default adds token_type_ids
+    config = json.loads((stdlib_data / "tokenizer_config.json").read_text())
+    assert config["model_input_names"] == list(hf(texts[0])) == ["input_ids", "attention_mask"]
 
 
 # --- Done when 3: the shard contract ----------------------------------------------------------------
