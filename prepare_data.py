@@ -342,10 +342,10 @@ class LargeText:
         """Where its val part begins (``val_cut``), found without reading the rest of the file."""
         return self._mapped(lambda m: val_cut(m, self.size, val_fraction))
 
-    def texts(self, start: int, end: int, size: int | None) -> Iterator[str]:
+    def texts(self, start: int, end: int, size: int) -> Iterator[str]:
         """Bytes [start, end) (both at character starts) as text: pieces of about ``size``
-        characters cut as ``text_pieces`` cuts (the same tokens as the whole), or with ``size``
-        None all of it at once."""
+        characters cut as ``text_pieces`` cuts (for ``pieces_are_exact`` tokenizers, the same
+        tokens as the whole)."""
         decoder = codecs.getincrementaldecoder("utf-8")()
         rest = ""
         try:
@@ -358,11 +358,10 @@ class LargeText:
                         raise DataError(f"{self.path}: the file shrank while it was read ({self.size:,} bytes before)")
                     left -= len(raw)
                     rest += decoder.decode(raw, final=left == 0)
-                    if size is not None:
-                        # every cut found is one of the whole text's: a cut needs only the
-                        # characters around it, and those are all in ``rest``
-                        *whole, rest = text_pieces(rest, size)
-                        yield from whole
+                    # every cut found is one of the whole text's: a cut needs only the
+                    # characters around it, and those are all in ``rest``
+                    *whole, rest = text_pieces(rest, size)
+                    yield from whole
         except OSError as e:
             raise self._cannot(e) from None
         if rest:
@@ -907,14 +906,22 @@ def val_cut(data, n: int, val_fraction: float) -> int:
 
 
 def split_large(docs: Iterator[tuple[str, bytes] | tuple[LargeText, None]], val_fraction: float,
-                size: int | None) -> Iterator[tuple[str, bytes | None, str | None, bool]]:
+                exact: bool = True, source: str = "") -> Iterator[tuple[str, bytes | None, str | None, bool]]:
     """(text, its bytes, its split, whether it ends a document) for every document: split None
     (chosen later from its content) for one of at most SPLIT_CHARS characters; a longer one is
     two documents, its last `val_fraction` (``val_cut``) for val and the rest for train. A
-    LargeText's two parts come in pieces of about `size` characters (whole with `size` None;
-    bytes None), only the last of each ending its document."""
+    LargeText's two parts come in pieces (bytes None), only the last of each ending its document:
+    of about READ_BYTES characters, which the encoder cuts again with the same tokens; with a
+    tokenizer for which that is not ``exact`` (`source`, say), of about PIECE_CHARS characters,
+    said in a warning: whole, the file's text and its encoding would take ~230 bytes of memory
+    per byte of the file."""
     for text, data in docs:
         if isinstance(text, LargeText):
+            if not exact:
+                warn(f"{text.path} ({text.size / 2 ** 20:,.0f} MiB) is encoded in pieces of ~{PIECE_CHARS:,} "
+                     f"characters cut at blanks and punctuation: --tokenizer {source} is not this script's "
+                     "byte-level BPE, so its tokens at the cuts may differ from the whole file's")
+            size = READ_BYTES if exact else PIECE_CHARS
             cut = text.val_cut(val_fraction)
             for split, start, end in (("val", cut, text.size), ("train", 0, cut)):  # val first, as below
                 pieces = text.texts(start, end, size)
@@ -963,13 +970,18 @@ def text_pieces(text: str, size: int | None = None) -> Iterator[str]:
 
 
 def pieces_are_exact(tokenizer) -> bool:
-    """Whether ``text_pieces`` leaves this tokenizer's tokens as they are: no normaliser and a
-    ByteLevel pre-tokenizer with its regex and without a prefix space (what this script trains).
-    Others (a Metaspace "▁" before each piece's first word, say) encode long documents whole."""
+    """Whether ``text_pieces`` leaves this tokenizer's tokens as they are: no normaliser, a
+    ByteLevel pre-tokenizer with its regex and without a prefix space, and no added tokens but
+    special ones (what this script trains; a document's special tokens are text,
+    ``as_document_encoder``). Others (a Metaspace "▁" before each piece's first word; an added
+    token "    ", which is matched in the text before pre-tokenization and which a cut before
+    the last blank of a run splits) encode long documents whole, and a file over STREAM_BYTES in
+    pieces whose tokens may differ at the cuts (``split_large``)."""
     cfg = json.loads(tokenizer.to_str())
     pre = cfg.get("pre_tokenizer") or {}
     return (cfg.get("normalizer") is None and pre.get("type") == "ByteLevel"
-            and pre.get("use_regex", True) and not pre.get("add_prefix_space", False))
+            and pre.get("use_regex", True) and not pre.get("add_prefix_space", False)
+            and all(t.get("special") for t in cfg.get("added_tokens") or []))
 
 
 def _sample(docs: Iterator[tuple[str, bytes] | tuple[LargeText, None]], limit: int, stats: dict) -> Iterator[str]:
@@ -1178,8 +1190,7 @@ def encode_corpus(corpus: Corpus, spec: TokenizerSpec, dtype, folder: Path,
     t0 = time.time()
     with ThreadPoolExecutor(max_workers=1) as pool:  # encode batch k+1 while storing batch k
         pending = None
-        for texts, rest in _batches(split_large(corpus.documents(), args.val_fraction,
-                                                READ_BYTES if exact else None)):
+        for texts, rest in _batches(split_large(corpus.documents(), args.val_fraction, exact, spec.source)):
             job = (rest, pool.submit(encode, texts))
             if pending is not None:
                 bar.update(consume(pending[0], pending[1].result()))

@@ -476,6 +476,51 @@ def test_a_plain_text_file_over_stream_bytes_is_read_in_blocks_with_the_same_out
     assert set(documents(outs["blocks"], "val")) >= {tail} and head in documents(outs["blocks"], "train")
 
 
+def test_a_large_file_is_read_in_pieces_with_any_tokenizer(tmp_path, monkeypatch, capsys, stdlib_data):
+    """A file over STREAM_BYTES, with a reused tokenizer for which pieces are not exact (here a
+    normaliser): it was read whole as one text, ~230 bytes of memory per byte of the file (a
+    multi-GB input.txt with a Llama tokenizer: killed). It is read in pieces of ~PIECE_CHARS
+    characters, said in a warning; the text comes back whole from its two splits."""
+    from tokenizers import Tokenizer, normalizers
+    tok = Tokenizer.from_file(str(stdlib_data / "tokenizer.json"))
+    tok.normalizer = normalizers.NFC()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    monkeypatch.setattr(prepare_data, "STREAM_BYTES", 20_000)
+    monkeypatch.setattr(prepare_data, "READ_BYTES", 1000)
+    monkeypatch.setattr(prepare_data, "PIECE_CHARS", 700)
+    text = "".join(p.read_text(encoding="utf-8") for p in sorted((STDLIB / "json").glob("*.py")))
+    reads = []
+    texts = prepare_data.LargeText.texts
+    monkeypatch.setattr(prepare_data.LargeText, "texts", lambda self, *a: reads.append(a[2]) or texts(self, *a))
+    src = write_docs(tmp_path / "src", {"big.txt": text, "a.txt": "one document\n", "b.txt": "and another\n"})
+    out = tmp_path / "out"
+    assert run("--input", src, "--tokenizer", tmp_path / "tokenizer.json", "--val-fraction", 0.05, "--out", out) == 0
+    assert reads == [700, 700]   # val, then train
+    warned = [ln for ln in capsys.readouterr().err.splitlines() if "warning" in ln]
+    assert warned == [f"prepare_data.py: warning: {src / 'big.txt'} (0 MiB) is encoded in pieces of ~700 characters "
+                      f"cut at blanks and punctuation: --tokenizer {tmp_path / 'tokenizer.json'} is not this "
+                      "script's byte-level BPE, so its tokens at the cuts may differ from the whole file's"]
+    tail = text.encode()[prepare_data.val_cut(text.encode(), len(text.encode()), 0.05):].decode()
+    assert tail in documents(out, "val") and text[:len(text) - len(tail)] in documents(out, "train")
+
+
+def test_pieces_are_not_exact_for_a_tokenizer_with_added_tokens(stdlib_data):
+    """An added token that is not special ("    ", as code tokenizers have) is matched in the text
+    before pre-tokenization, and a cut before the last blank of a run can split it: such a
+    tokenizer's pieces are not the whole text's tokens (with a reused one, long documents were cut
+    anyway), so pieces_are_exact says no."""
+    from tokenizers import Tokenizer
+    tok = prepare_data.as_document_encoder(Tokenizer.from_file(str(stdlib_data / "tokenizer.json")))
+    assert prepare_data.pieces_are_exact(tok)
+    tok.add_tokens(["    "])
+    text = "def f():\n" + "        value = 1\n" * 4
+    pieces = list(prepare_data.text_pieces(text, 1))
+    assert len(pieces) > 4 and "".join(pieces) == text
+    encode = lambda t: tok.encode(t, add_special_tokens=False).ids  # noqa: E731
+    assert [i for p in pieces for i in encode(p)] != encode(text)
+    assert not prepare_data.pieces_are_exact(tok)
+
+
 @pytest.mark.parametrize("where", ["after the first read", "across two reads", "at the end"])
 def test_a_large_file_that_is_not_utf8_is_skipped_as_a_small_one_is(tmp_path, monkeypatch, capsys, where):
     """The UTF-8 check of a file read in blocks names the same byte and offset as reading it whole,
