@@ -747,17 +747,35 @@ class ShardWriter:
         arr = np.asarray(ids, dtype=self.dtype)  # a list: raises if an id does not fit the dtype
         self.documents += documents
         self.tokens += arr.size
-        if self.buffer is None:
-            self.buffer = np.empty(self.shard_tokens, dtype=self.dtype)
         start = 0
         while start < arr.size:
             n = min(arr.size - start, self.shard_tokens - self.n_pending)
+            self._room(self.n_pending + n)
             self.buffer[self.n_pending:self.n_pending + n] = arr[start:start + n]
             self.n_pending += n
             start += n
             if self.n_pending == self.shard_tokens:
                 self._write(self.buffer)
                 self.n_pending = 0
+
+    def _room(self, need: int) -> None:
+        """A buffer of at least ``need`` tokens, grown as the shard is (doubling, up to
+        shard_tokens): a small corpus with a large --shard-tokens holds what it has, not a whole
+        shard's worth (--shard-tokens 20G: 37 GiB at once, after the tokenizer's training)."""
+        have = 0 if self.buffer is None else self.buffer.size
+        if need <= have:
+            return
+        size = min(self.shard_tokens, max(need, 2 * have, 1 << 20))
+        try:
+            grown = np.empty(size, dtype=self.dtype)
+        except MemoryError:
+            mib = size * np.dtype(self.dtype).itemsize / 2 ** 20
+            raise DataError(f"--shard-tokens {self.shard_tokens:,}: a shard is held in memory until it is "
+                            f"written, and {mib:,.0f} MiB for {size:,} tokens could not be allocated: lower "
+                            "--shard-tokens") from None
+        if self.n_pending:
+            grown[:self.n_pending] = self.buffer[:self.n_pending]
+        self.buffer = grown
 
     def close(self) -> dict:
         if self.n_pending:

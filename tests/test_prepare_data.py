@@ -800,6 +800,26 @@ def test_an_out_that_cannot_be_made_is_said_before_the_tokenizer_trains(tmp_path
 
 
 
+def test_a_shard_size_far_past_the_corpus_holds_only_the_corpus(tmp_path, monkeypatch):
+    """--shard-tokens 1000G on a tiny corpus: the shard buffer was allocated whole (1.8 TiB), a
+    MemoryError traceback after the tokenizer's training. It grows with the shard; the output is
+    the default's. A shard that does not fit memory is one line naming the option."""
+    src = write_docs(tmp_path / "src", {f"{i}.txt": f"text {i} " * 50 for i in range(6)})
+    assert run("--input", src, "--vocab-size", 300, "--shard-tokens", "1000G", "--out", tmp_path / "big") == 0
+    assert run("--input", src, "--vocab-size", 300, "--out", tmp_path / "default") == 0
+    for f in ("train_00000.npy", "val_00000.npy", "tokenizer.json"):
+        assert (tmp_path / "big" / f).read_bytes() == (tmp_path / "default" / f).read_bytes(), f
+    writer = prepare_data.ShardWriter(tmp_path, "train", np.uint16, 10 ** 12)
+    real_empty = np.empty
+    monkeypatch.setattr(prepare_data.np, "empty",   # as if memory ran out past 1M tokens
+                        lambda n, dtype: real_empty(n, dtype) if n <= 1 << 20 else np.zeros(1 << 50, np.uint8))
+    writer.add(np.ones(1 << 20, np.uint16), 1)
+    with pytest.raises(prepare_data.DataError, match=r"^--shard-tokens 1,000,000,000,000: a shard is held in "
+                       r"memory until it is written, and 4 MiB for 2,097,152 tokens could not be "
+                       r"allocated: lower --shard-tokens$"):
+        writer.add(np.ones(1 << 20, np.uint16), 1)
+
+
 def test_overwrite_replaces_a_previous_output(tmp_path):
     src = write_docs(tmp_path / "src", {f"{i}.txt": f"text {i} " * 50 for i in range(6)})
     out = tmp_path / "out"
