@@ -127,7 +127,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = _Parser(prog=PROG, description=__doc__.split("\n\n")[0], epilog=EXAMPLES,
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_argument_group("inputs (any mix)")
-    src.add_argument("--input", nargs="+", action="extend", default=[], metavar="PATH",
+    src.add_argument("--input", nargs="+", action="extend", default=[], metavar="PATH", type=os.path.expanduser,
                      help="files or directories (recursed in sorted order). A plain-text file is one "
                           "document; .jsonl/.json/.parquet files give one document per record")
     src.add_argument("--glob", action="append", default=[], metavar="PATTERN",
@@ -153,11 +153,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                           f"(default {DEFAULT_VOCAB_SIZE})")
     tok.add_argument("--tokenizer-sample-bytes", type=size, metavar="N",
                      help="train the tokenizer on the first N bytes of text (default 300M)")
-    tok.add_argument("--tokenizer", metavar="PATH",
+    tok.add_argument("--tokenizer", metavar="PATH", type=os.path.expanduser,
                      help="reuse a tokenizer (tokenizer.json or a local HF tokenizer directory) "
                           "instead of training one")
     out = p.add_argument_group("output")
-    out.add_argument("--out", metavar="DIR", help="output directory (required)")
+    # ~ expanded here too: the shell leaves it in --out=~/data, which data.dir: ~/data then missed
+    out.add_argument("--out", metavar="DIR", type=os.path.expanduser, help="output directory (required)")
     out.add_argument("--overwrite", action="store_true",
                      help="replace an existing output directory (only if it holds nothing but a "
                           "previous prepare_data.py output)")
@@ -168,7 +169,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                           "document over 1M characters (its end) that goes there (default 0.005)")
     out.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the train/val split (default 0)")
     chk = p.add_argument_group("checking")
-    chk.add_argument("--verify", metavar="DIR",
+    chk.add_argument("--verify", metavar="DIR", type=os.path.expanduser,
                      help="check a prepared directory against its meta.json and write nothing: every "
                           "shard's size, dtype, sha256 and token ids, and the tokenizer's sha256 "
                           "(after a copy: a partial or corrupted file trains silently otherwise)")

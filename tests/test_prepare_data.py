@@ -820,6 +820,20 @@ def test_a_shard_size_far_past_the_corpus_holds_only_the_corpus(tmp_path, monkey
         writer.add(np.ones(1 << 20, np.uint16), 1)
 
 
+def test_paths_given_with_a_tilde_are_the_home_directory_s(tmp_path, monkeypatch, capsys):
+    """--out=~/data (one word: the shell leaves its ~) made a directory named "~" in the working
+    directory, where train.py's data.dir: ~/data then looked in the home directory."""
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    cwd.mkdir()
+    write_docs(home / "src", {f"{i}.txt": f"text {i} " * 50 for i in range(4)})
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(cwd)
+    assert run("--input=~/src", "--vocab-size", 300, "--out=~/data") == 0
+    assert (home / "data" / "meta.json").is_file() and not list(cwd.iterdir())
+    assert run("--verify=~/data") == 0
+    assert f"verified {home / 'data'}" in capsys.readouterr().out
+
+
 def test_overwrite_replaces_a_previous_output(tmp_path):
     src = write_docs(tmp_path / "src", {f"{i}.txt": f"text {i} " * 50 for i in range(6)})
     out = tmp_path / "out"
