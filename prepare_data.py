@@ -1105,8 +1105,9 @@ def prepare(args: argparse.Namespace, argv: list[str]) -> str:
 
 
 def _no_documents(corpus: Corpus) -> str:
-    skipped = f", {len(corpus.skipped)} unreadable files skipped" if corpus.skipped else ""
-    return f"no documents: every input is empty ({corpus.empty} empty documents{skipped})"
+    held = ([f"{corpus.empty} empty document(s)"] if corpus.empty else []) + \
+           ([f"{len(corpus.skipped)} unreadable file(s), skipped (the warnings above say why)"] if corpus.skipped else [])
+    return f"no documents: the inputs hold {' and '.join(held) or 'no records'}"
 
 
 def as_document_encoder(tokenizer):

@@ -1152,6 +1152,20 @@ def test_non_utf8_file_is_skipped_by_the_cli(tmp_path, prepare_data_cli):
     assert all_documents(tmp_path / "out") == Counter(["print('hi')\n", "x = 2\n"])
 
 
+def test_inputs_that_are_all_skipped_or_empty_say_which(tmp_path, capsys):
+    """Every input unreadable was "no documents: every input is empty (0 empty documents, 2
+    unreadable files skipped)"."""
+    src = write_docs(tmp_path / "src", {"a.py": b"\xff\xfe", "b.py": b"\x89PNG", "c.py": ""})
+    assert run("--input", src, "--vocab-size", 300, "--out", tmp_path / "out") == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "prepare_data.py: error: no documents: the inputs hold 1 empty document(s) and 2 unreadable "
+        "file(s), skipped (the warnings above say why)")
+    (src / "c.py").unlink()
+    assert run("--input", src, "--vocab-size", 300, "--out", tmp_path / "out") == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(
+        "no documents: the inputs hold 2 unreadable file(s), skipped (the warnings above say why)")
+
+
 # pieces of text around every kind of cut: runs of blanks the pre-tokenizer's \\s knows and ones it
 # may not (\x1c, \x85, \xa0, \u2028), the contraction mark, punctuation, letters and digits in and
 # out of ASCII, and what a stdlib tokenizer has merges for (indentation, blank lines, keywords)
