@@ -85,6 +85,37 @@ def test_the_shard_cache_closes_the_least_recently_used_map(tmp_path, monkeypatc
     assert list(ds._maps) == [0, 2]
 
 
+def test_a_shard_rewritten_during_the_run_is_refused_when_mapped_again(tmp_path):
+    """A data.dir prepared again while a run trains on it (a new file under the same name, the
+    same size): the next epoch's workers mapped the new file at the old offsets and trained on it
+    silently. Mapping it again now stops with the shard's name."""
+    import os
+    d = make_data(tmp_path / "d", [np.arange(20, dtype=np.uint16), np.arange(20, dtype=np.uint16) + 20])
+    ds = TokenWindows(d, "train", 4)
+    first = [ds[i][0].tolist() for i in range(len(ds))]
+    ds._maps.clear()   # as in a new worker
+    assert [ds[i][0].tolist() for i in range(len(ds))] == first   # the same files: mapped again
+    ds._maps.clear()
+    replaced = d / "train_00001.npy"
+    stat = replaced.stat()
+    np.save(d / "new.npy", np.arange(20, dtype=np.uint16) + 50)
+    os.replace(d / "new.npy", replaced)
+    os.utime(replaced, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))   # whatever the clock's resolution
+    assert ds[0][0].tolist() == first[0]   # shard 0 is untouched
+    with pytest.raises(ConfigError, match=r"train_00001\.npy: the shard changed since the run started"):
+        ds[len(ds) - 1]
+    # found in a DataLoader worker, as in training: the trainer's error is that line, not the
+    # worker's traceback under "Caught ConfigError in DataLoader worker process 0"
+    stream = data_mod.DataStream(ds, 8, 1, 0, seed=0, num_workers=1, shuffle=False)   # both shards
+    try:
+        with pytest.raises(ConfigError) as e:
+            next(stream)
+    finally:
+        stream.close()
+    assert str(e.value) == (f"{replaced}: the shard changed since the run started (data.dir prepared again, or "
+                            "written to): restart the run to train on the new data")
+
+
 # -- the sampler's length is what it yields --------------------------------------------------------
 
 @pytest.mark.parametrize("n, replicas", [(50, 1), (50, 3), (51, 4), (7, 2)])

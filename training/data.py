@@ -129,11 +129,13 @@ class TokenWindows(Dataset):
         self.eos_id = meta.get("eos_id")
         self.paths = [path for path, _ in entries]
         self.lengths, self._headers = [], []  # tokens of each shard, and where they start in its file
+        self._stamps = []  # each shard file's size and modification time, as checked
         self.dtype = None
         for path, tokens in entries:
             arr = self._open(path, tokens, dtype)  # checked now; unmapped (its descriptor closed) when dropped
             self.lengths.append(arr.shape[0])
             self._headers.append(arr.offset)
+            self._stamps.append(self._stamp(path))
             self.dtype = arr.dtype
         self._maps: OrderedDict[int, np.ndarray] = OrderedDict()  # shard index -> its map, oldest use first
         counts = [max(0, (n - 1) // seq_len) for n in self.lengths]
@@ -160,9 +162,22 @@ class TokenWindows(Dataset):
                               f"({dtype}[{tokens}])")
         return arr
 
+    @staticmethod
+    def _stamp(path: Path) -> tuple[int, int] | None:
+        """A shard file's size and modification time (not its inode: gcsfuse may number a file
+        anew when the kernel forgets it); None if it cannot be read."""
+        try:
+            st = path.stat()
+        except OSError:
+            return None
+        return st.st_size, st.st_mtime_ns
+
     def shard(self, s: int) -> np.ndarray:
         """Shard ``s`` memory-mapped: from the cache, or mapped again from what its header said at
-        start (closing the least recently used map when ``OPEN_SHARDS`` are open)."""
+        start (closing the least recently used map when ``OPEN_SHARDS`` are open), if the file is
+        still the one checked then. DataLoader workers are made anew each epoch and map the
+        shards again: a data.dir prepared again meanwhile (prepare_data.py --overwrite) was read
+        from then on, its new tokens taken at the old offsets, without a word."""
         arr = self._maps.get(s)
         if arr is not None:
             self._maps.move_to_end(s)
@@ -174,6 +189,9 @@ class TokenWindows(Dataset):
                             shape=(self.lengths[s],))
         except (OSError, ValueError) as e:  # removed or truncated since the start
             raise ConfigError(f"{self.paths[s]}: cannot open shard ({e})") from None
+        if self._stamp(self.paths[s]) != self._stamps[s]:
+            raise ConfigError(f"{self.paths[s]}: the shard changed since the run started (data.dir prepared "
+                              "again, or written to): restart the run to train on the new data")
         self._maps[s] = arr
         return arr
 
@@ -315,6 +333,16 @@ def past_vocabulary(batch, vocab_size: int | None) -> bool:
     return vocab_size is not None and max(int(y.max()), int(x[:, 0].max())) >= vocab_size
 
 
+def _worker_message(e: ConfigError) -> str:
+    """A ConfigError's own line: DataLoader re-raises a worker's exception with a message of
+    its own followed by the worker's traceback, whose last line is ``...ConfigError: <line>``."""
+    text = str(e)
+    if "Original Traceback" not in text:
+        return text
+    last = [ln for ln in text.splitlines() if ln.strip()][-1]
+    return last.split("ConfigError: ", 1)[-1]
+
+
 class DataStream:
     """An endless iterator of ``(x, y)`` batches from a known (epoch, global offset) position.
 
@@ -394,7 +422,10 @@ class DataStream:
             self._it = _start_workers(lambda: iter(DataLoader(self.dataset, sampler=self.sampler,
                                                               generator=seeds, **self.loader_kwargs)))
             self._left = self.remaining(self.offset)
-        batch, offset = next(self._it), self.offset
+        try:
+            batch, offset = next(self._it), self.offset
+        except ConfigError as e:  # a worker's (a shard gone or changed): its line, not its traceback
+            raise ConfigError(_worker_message(e)) from None
         self._left -= 1                  # the batch is consumed, good or bad: the position moves on
         self.offset += self.global_batch
         if past_vocabulary(batch, self.vocab_size):
