@@ -116,6 +116,25 @@ def test_a_shard_rewritten_during_the_run_is_refused_when_mapped_again(tmp_path)
                             "written to): restart the run to train on the new data")
 
 
+def test_a_script_that_never_closes_its_stream_exits(tmp_path):
+    """A DataStream with workers left open at exit (a user's script, a notebook cell run as a
+    script): multiprocessing's exit handler sent the workers SIGTERM, which they ignore (the
+    trainer's stop signals are its own), and waited for them forever. The stream now shuts its
+    workers down at exit first."""
+    import subprocess
+    import sys
+
+    from helpers import ENV, ROOT
+    d = make_data(tmp_path / "d", [np.arange(40, dtype=np.uint16)])
+    script = ("from training.data import DataStream, TokenWindows\n"
+              f"stream = DataStream(TokenWindows({str(d)!r}, 'train', 4), 2, 1, 0, seed=0, num_workers=1)\n"
+              "x, y = next(stream)\n"
+              "print('batch', tuple(x.shape))\n")
+    r = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and r.stdout == "batch (2, 4)\n", r.stderr[-2000:]
+
+
 # -- the sampler's length is what it yields --------------------------------------------------------
 
 @pytest.mark.parametrize("n, replicas", [(50, 1), (50, 3), (51, 4), (7, 2)])

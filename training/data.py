@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import signal
+import weakref
 from collections import OrderedDict
 from pathlib import Path
 
@@ -333,6 +334,16 @@ def past_vocabulary(batch, vocab_size: int | None) -> bool:
     return vocab_size is not None and max(int(y.max()), int(x[:, 0].max())) >= vocab_size
 
 
+def _shut_down_workers(it) -> None:
+    """Shut down a DataLoader iterator's worker processes (a single-process iterator has none)."""
+    shutdown = getattr(it, "_shutdown_workers", None)
+    if shutdown is not None:
+        shutdown()
+        for w in getattr(it, "_workers", []):  # stuck: its SIGTERM from shutdown is ignored
+            if w.is_alive():
+                w.kill()
+
+
 def _worker_message(e: ConfigError) -> str:
     """A ConfigError's own line: DataLoader re-raises a worker's exception with a message of
     its own followed by the worker's traceback, whose last line is ``...ConfigError: <line>``."""
@@ -366,6 +377,7 @@ class DataStream:
                                   worker_init_fn=ignore_stop_signals if num_workers > 0 else None)
         self.epoch, self.offset = 0, 0
         self._it, self._left = None, 0
+        self._workers_at_exit: weakref.finalize | None = None
         self.vocab_size = getattr(dataset, "vocab_size", None)
 
     @property
@@ -404,13 +416,9 @@ class DataStream:
     def close(self) -> None:
         """Shut down the DataLoader's worker processes now (they would otherwise be killed at
         exit halfway through sending a batch)."""
-        it, self._it, self._left = self._it, None, 0
-        shutdown = getattr(it, "_shutdown_workers", None)  # multi-process iterators only
-        if shutdown is not None:
-            shutdown()
-            for w in getattr(it, "_workers", []):  # stuck: its SIGTERM from shutdown is ignored
-                if w.is_alive():
-                    w.kill()
+        self._it, self._left = None, 0
+        if self._workers_at_exit is not None:
+            self._workers_at_exit()   # shuts them down, once
 
     def __next__(self):
         if self._left == 0:
@@ -419,8 +427,13 @@ class DataStream:
             # its own generator: a DataLoader iterator draws a seed for its workers, which from the
             # global RNG would shift every later dropout mask of a resumed run by one draw
             seeds = torch.Generator().manual_seed(self.sampler.seed + self.epoch)
+            self.close()   # the last epoch's workers
             self._it = _start_workers(lambda: iter(DataLoader(self.dataset, sampler=self.sampler,
                                                               generator=seeds, **self.loader_kwargs)))
+            # also at interpreter exit, before multiprocessing's own exit handler (registered
+            # earlier, so run later), which would wait forever for workers that ignore its SIGTERM:
+            # a script that never closes its stream hung at exit
+            self._workers_at_exit = weakref.finalize(self, _shut_down_workers, self._it)
             self._left = self.remaining(self.offset)
         try:
             batch, offset = next(self._it), self.offset
