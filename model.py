@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 MHC_RES_OFF_DIAG_BIAS = -8.0            # H_res starts at ~identity: exp(-8) = 3e-4 off the diagonal
 MHC_PRE_BIAS = 2.0                      # H_pre starts at sigmoid(+-2) = 0.88 / 0.12: one favoured stream
@@ -247,6 +248,7 @@ class _SinkhornIterations(torch.autograd.Function):
         return p
 
     @staticmethod
+    @once_differentiable  # it reuses saved normalisers in place: a second derivative would be wrong
     def backward(ctx, g):
         q, *norms = ctx.saved_tensors
         q, g = q.clone(), g.clone()
@@ -756,6 +758,7 @@ class _NormedProjection(torch.autograd.Function):
         return proj * r
 
     @staticmethod
+    @once_differentiable  # r and proj are saved without their graph: a second derivative would miss them
     def backward(ctx, g):
         x, w, r, proj = ctx.saved_tensors
         xf = x.to(w.dtype)

@@ -177,6 +177,27 @@ def test_stream_ops_match_their_definitions_and_gradcheck():
     assert torch.autograd.gradcheck(lambda x, phi: M._NormedProjection.apply(x, phi, 1e-5), (x, phi))
 
 
+def test_hand_written_backwards_refuse_a_second_derivative_they_would_get_wrong():
+    """_NormedProjection's backward uses r and proj saved without their graph, and
+    _SinkhornIterations' undoes its normalisers in place: differentiated again (create_graph:
+    a gradient penalty, a Hessian-vector product), the first gave a wrong second derivative
+    silently and the second an in-place error. Both now refuse it in so many words; the stream
+    read's and write's backwards are differentiable and pass gradgradcheck."""
+    torch.manual_seed(0)
+    f64 = dict(dtype=torch.float64, requires_grad=True)
+    x, phi = torch.randn(2, 3, 12, **f64), torch.randn(7, 12, **f64)
+    p = (torch.rand(4, 4, 5, dtype=torch.float64) + 0.1).requires_grad_()
+    for out, inputs in ((M._NormedProjection.apply(x, phi, 1e-5), (x, phi)),
+                        (M._SinkhornIterations.apply(p, 3, 1e-6), (p,))):
+        grads = torch.autograd.grad(out.square().sum(), inputs, create_graph=True)
+        with pytest.raises(RuntimeError, match="marked with @once_differentiable"):
+            sum(g.sum() for g in grads).backward()
+    h, y = torch.randn(2, 3, 4, 5, **f64), torch.randn(2, 3, 5, **f64)
+    res, w = torch.rand(2, 3, 4, 4, **f64), torch.rand(2, 3, 4, **f64)
+    assert torch.autograd.gradgradcheck(M._StreamRead.apply, (w, h))
+    assert torch.autograd.gradgradcheck(M._StreamWrite.apply, (h, y, res, w))
+
+
 def test_the_residual_streams_stay_fp32_under_autocast():
     m = build(tiny())
     with torch.autocast("cpu", dtype=torch.bfloat16):
