@@ -359,6 +359,17 @@ def test_string_keys_take_an_override_as_written(tmp_path):
     assert cfg.training.betas == (0.8, 0.9) and (cfg.xla.mesh.fsdp, cfg.xla.mesh.tp) == (2, 2)
     with pytest.raises(ConfigError, match=r"training.betas: expected a list of 2 values .*, got \{'x': 1\}$"):
         load_config(p, ["training.betas=x: 1"])
+    # inside a section's mapping the same, as in a config file (it was YAML's reading there: a
+    # checkpoint directory 64, a base-60 max_steps 90 taken silently, a duplicate key's last value)
+    cfg = load_config(p, ["checkpoint={dir: 0100}", "logging.wandb={run_name: 2024_01}", "data={dir: on}"])
+    assert (cfg.checkpoint.dir, cfg.logging.wandb.run_name, cfg.data.dir) == ("0100", "2024_01", "on")
+    assert load_config(p, ["logging={wandb: {run_name: 0x10}}"]).logging.wandb.run_name == "0x10"
+    for override, message in (("training={max_steps: 0100}", "training.max_steps: 0100 is the octal number 64"),
+                              ("training={max_steps: 1:30}", "training.max_steps: 1:30 is the base-60 number 90"),
+                              ("training={max_steps: 5, max_steps: 6}",
+                               r"override 'training=\{max_steps: 5, max_steps: 6\}': duplicate key 'max_steps' in the mapping$")):
+        with pytest.raises(ConfigError, match=message):
+            load_config(p, [override])
 
 
 def test_what_a_config_would_take_silently_or_as_a_traceback_is_one_line(tmp_path):

@@ -456,7 +456,13 @@ def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
             raise ConfigError(f"override {item!r}: expected section.key=value")
         key, raw = item.split("=", 1)
         try:
-            value = yaml.safe_load(raw) if raw != "" else ""
+            # the config file's loader: a mapping's own values (training={max_steps: 0100}) keep
+            # their text and get the file's checks, and a key given twice in it is an error
+            value = _plain(yaml.load(raw, Loader=_ConfigLoader)) if raw != "" else ""
+        except yaml.constructor.ConstructorError as e:
+            if "duplicate key" not in str(e.problem):
+                raise ConfigError(f"override {item!r}: YAML cannot read {raw!r} ({e.problem})") from None
+            raise ConfigError(f"override {item!r}: {e.problem} in the mapping") from None
         except yaml.YAMLError:
             value = raw
         except (ValueError, TypeError, IndexError, AttributeError) as e:  # a tag's constructor: !!int 1e3
