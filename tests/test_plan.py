@@ -700,6 +700,19 @@ def test_gpu_memory_is_the_installed_gpus_only_for_its_own_kind(monkeypatch, nam
         assert P.device_for(kind, "torch").memory == nbytes, kind
 
 
+@pytest.mark.parametrize("name, peak", [("NVIDIA H100 PCIe", 756e12), ("NVIDIA H100 NVL", 835e12),
+                                        ("NVIDIA H100 80GB HBM3", 989e12)])
+def test_the_installed_gpus_plan_counts_its_own_peak(monkeypatch, name, peak):
+    """Planning for the GPU installed here takes the peak its MFU is logged with (by its name):
+    an H100 PCIe's plan counted the SXM's 989 TFLOP/s, its step time and cost 24% too low."""
+    import types
+    from training.monitor import peak_flops_for
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: name)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i=0: types.SimpleNamespace(total_memory=80 * 10 ** 9))
+    assert P.device_for("h100", "torch").peak_flops() == peak_flops_for(name) == peak
+
+
 @pytest.mark.parametrize("accel, nprocs, replicas", [
     ("v4-8", None, 4), ("v5p-16", None, 8),          # the number counts TensorCores: two per chip
     ("v5litepod-16", None, 16), ("v6e-8", None, 8),  # one core per chip

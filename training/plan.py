@@ -110,7 +110,9 @@ def device_for(kind: Optional[str], entry: str) -> Device:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         dev = dataclasses.replace(dev, memory=ram, compiler="xla" if entry == "xla" else "eager")
     elif dev.compiler == "eager" and _cuda_kind() == kind:  # planning for the GPU installed here
-        dev = dataclasses.replace(dev, memory=torch.cuda.get_device_properties(0).total_memory)
+        # its memory, and its name, by which MFU is logged: an H100 PCIe's or NVL's peak is not the SXM's
+        dev = dataclasses.replace(dev, memory=torch.cuda.get_device_properties(0).total_memory,
+                                  name=torch.cuda.get_device_name(0))
     return dev
 
 
