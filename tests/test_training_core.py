@@ -226,6 +226,21 @@ def test_settings_that_do_nothing_are_said():
     assert [w.split(":")[1].strip() for w in said] == [
         "model.nash_window=64 is not below data.seq_len=64", "model.stream_dtype=bf16 applies to mHC's streams, and "
         "model.mhc_streams=1 has none", "training.total_tokens=100 is less than one step's 256 tokens"]
+    # two scales' Nash game is their mean (checked against aggregation: mean, weights shared)
+    said = settings_warnings(load_config(None, base + ["model.nash_window=16", "model.nash_scales=2"]), 256)
+    assert [w.split(":")[1].strip() for w in said] == ["model.aggregation=nash with model.nash_scales=2 is the mean "
+                                                       "of the two scales"]
+    assert settings_warnings(load_config(None, base + ["model.nash_window=16", "model.nash_scales=2",
+                                                       "model.aggregation=mean"]), 256) == []
+    from model import ModelConfig, NashMHC
+    torch.manual_seed(0)
+    two = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64, nash_scales=2,
+                      nash_window=8)
+    nash, mean = NashMHC(two).eval(), NashMHC(ModelConfig(**{**two.to_dict(), "aggregation": "mean"})).eval()
+    mean.load_state_dict(nash.state_dict(), strict=False)
+    x = torch.randint(0, 64, (2, 50))
+    with torch.no_grad():
+        assert torch.equal(nash(x).logits, mean(x).logits)
     # a model vocabulary more than twice the data's: most of the embedding never sees a token
     vocab = ["model.vocab_size=4096", "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=4",
              "model.nash_window=16"]

@@ -175,6 +175,10 @@ def settings_warnings(cfg: Config, tokens_per_step: int, data_vocab: int | None 
     if m.nash_window and m.nash_window >= cfg.data.seq_len:
         out.append(f"warning: model.nash_window={m.nash_window} is not below data.seq_len={cfg.data.seq_len}: "
                    "scale 0 attends to every earlier token, as with nash_window: 0")
+    if m.aggregation == "nash" and m.nash_scales == 2:
+        out.append("warning: model.aggregation=nash with model.nash_scales=2 is the mean of the two scales: "
+                   "the game's two players are alike, so from its uniform start every round gives each the "
+                   "same weight, and model.nash_tau never trains; use nash_scales >= 3, or aggregation: mean")
     if m.mhc_streams == 1 and m.stream_dtype != "fp32":
         out.append(f"warning: model.stream_dtype={m.stream_dtype} applies to mHC's streams, and "
                    "model.mhc_streams=1 has none: the residual is in the parameters' dtype")
