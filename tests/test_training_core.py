@@ -111,6 +111,11 @@ def test_train_xla_names_the_train_py_settings_it_ignores():
     assert xla_ignores(load_config(None, ["training.max_steps=1", "training.compile=true"])) == []
     lines = xla_ignores(load_config(None, ["training.max_steps=1", "training.fsdp=true", "training.device=cuda"]))
     assert [line.split(" ")[0] for line in lines] == ["training.fsdp=true", "training.device=cuda"]
+    # an SPMD mesh in ddp mode (xla.mode forgotten): whole replicas, nothing sharded
+    assert xla_ignores(load_config(None, ["training.max_steps=1", "xla.mode=spmd", "xla.mesh.fsdp=4"])) == []
+    assert xla_ignores(load_config(None, ["training.max_steps=1", "xla.mesh.fsdp=4", "xla.mesh.tp=2"])) == [
+        "xla.mesh.fsdp=4, xla.mesh.tp=2: the SPMD mesh, and xla.mode is ddp, where every process trains a whole "
+        "replica (set xla.mode=spmd to shard; ignored here)"]
 
 
 def test_config_unknown_key_suggests_closest(tmp_path):

@@ -698,10 +698,16 @@ def check_xla(cfg: Config, devices: Optional[int] = None) -> None:
 
 
 def xla_ignores(cfg: Config) -> list[str]:
-    """The train.py-only settings of ``cfg`` that would change what train.py does but that
-    train_xla.py does not use, each as a warning line (``training.compile`` is not one: XLA
-    compiles every step anyway)."""
+    """The settings of ``cfg`` that train_xla.py does not use, each as a warning line: train.py's
+    that would change what train.py does (``training.compile`` is not one: XLA compiles every step
+    anyway), and an SPMD mesh given to a ddp run (xla.mesh.fsdp=4 without xla.mode=spmd trained
+    whole replicas, unsharded, without a word)."""
     lines = []
+    mesh = {f"xla.mesh.{k}": v for k, v in dataclasses.asdict(cfg.xla.mesh).items() if v != 1}
+    if cfg.xla.mode != "spmd" and mesh:
+        given = ", ".join(f"{k}={v}" for k, v in mesh.items())
+        lines.append(f"{given}: the SPMD mesh, and xla.mode is {cfg.xla.mode}, where every process trains a "
+                     "whole replica (set xla.mode=spmd to shard; ignored here)")
     if cfg.training.fsdp:
         lines.append("training.fsdp=true is train.py's FSDP2; train_xla.py shards with xla.mode=spmd and "
                      "xla.mesh.fsdp (ignored here)")
