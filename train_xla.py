@@ -74,6 +74,20 @@ def _default_pjrt_device() -> None:
 _BUILT_IN_DEVICES = {"CPU": None, "TPU": "libtpu (pip install torch_xla[tpu])", "NEURON": "libneuronxla"}
 
 
+def _plugin_problem(kind: str) -> str | None:
+    """Why the PJRT library of torch_xla's plugin for device ``kind`` does not load, or None."""
+    import ctypes
+    from importlib.metadata import entry_points
+
+    try:
+        plugin, = [ep for ep in entry_points(group="torch_xla.plugins") if ep.name.upper() == kind]
+        path = plugin.load()().library_path()
+        ctypes.CDLL(path)
+    except Exception as e:  # noqa: BLE001 (the plugin's own import or lookup, or dlopen's OSError)
+        return " ".join(str(e).split()) or type(e).__name__
+    return None
+
+
 def _check_pjrt_device(cfg) -> None:
     """A ``ConfigError`` naming ``PJRT_DEVICE`` when torch_xla cannot run on it here: a name it has
     no client for (``cpu``: torch_xla reads the name as given), TPU without the TPU runtime, or
@@ -90,6 +104,11 @@ def _check_pjrt_device(cfg) -> None:
         hint = f"; did you mean {kind.upper()}?" if kind.upper() in known else ""
         raise ConfigError(f"PJRT_DEVICE={value}: torch_xla has no device of that name (here: "
                           f"{', '.join(sorted(known))}){hint}")
+    if kind not in _BUILT_IN_DEVICES:  # a plugin's (XPU): its PJRT library must load, or it is a traceback
+        problem = _plugin_problem(kind)
+        if problem:
+            raise ConfigError(f"PJRT_DEVICE={value}, but torch_xla's {kind} plugin cannot load here ({problem}); "
+                              "on a machine without that device use PJRT_DEVICE=CPU")
     need = _BUILT_IN_DEVICES.get(kind)
     found = {"TPU": _libtpu_found, "NEURON": lambda: importlib.util.find_spec("libneuronxla") is not None}
     if need and not found[kind]():

@@ -550,7 +550,8 @@ out = {}
 for value, libtpu, chips, nodes, mode in (
         ("CPU", False, 0, False, "ddp"), ("cpu", False, 0, False, "ddp"), ("GPU", False, 0, False, "ddp"),
         ("TPU", False, 4, True, "ddp"), ("TPU", True, 0, False, "ddp"), ("TPU", True, 0, True, "spmd"),
-        ("TPU", True, 0, False, "spmd"), ("TPU", True, 4, True, "ddp"), ("TPU_C_API", True, 4, True, "ddp")):
+        ("TPU", True, 0, False, "spmd"), ("TPU", True, 4, True, "ddp"), ("TPU_C_API", True, 4, True, "ddp"),
+        ("XPU", False, 0, False, "ddp")):
     os.environ["PJRT_DEVICE"] = value
     train_xla._libtpu_found = lambda: libtpu
     train_xla._tpu_device_nodes = lambda: nodes
@@ -579,6 +580,9 @@ def test_a_pjrt_device_torch_xla_cannot_run_is_one_line_naming_it(tmp_path, stdl
     assert out.pop("cpu False 0 False ddp").endswith("; did you mean CPU?")
     assert out.pop("GPU False 0 False ddp").startswith(
         "PJRT_DEVICE=GPU: torch_xla has no device of that name (here: CPU, ")
+    # a plugin's device whose library is not here (torch_xla lists XPU): was a traceback from libxpu.so
+    assert out.pop("XPU False 0 False ddp").startswith("PJRT_DEVICE=XPU, but torch_xla's XPU plugin cannot load "
+                                                       "here (libxpu.so: cannot open shared object file")
     assert out == {"CPU False 0 False ddp": None, "TPU False 4 True ddp": no_libtpu,
                    "TPU True 0 False ddp": "PJRT_DEVICE=TPU, but this machine has no TPU chip (torch_xla finds none "
                                            "on its PCI bus); on a machine without a TPU use PJRT_DEVICE=CPU",
