@@ -90,9 +90,9 @@ def export_tokenizer_files(spec: TokenizerSpec, max_seq_len: int) -> dict[str, b
     long prompt's last tokens), model_max_length = the model's max_seq_len (truncation=True then
     cuts where the model stops; the default is no limit), split_special_tokens on (a literal
     "<|endoftext|>" in a text is text, as in the training documents: prepare_data.py's
-    ``as_document_encoder``), the model's inputs named (``MODEL_INPUT_NAMES``), and a tokenizer without a pad token (an
-    imported one, e.g. Llama's) padding with its end-of-text token, as the exported generation
-    config does: without one, ``tokenizer(texts, padding=True)`` is an error."""
+    ``as_document_encoder``), the model's inputs named (``MODEL_INPUT_NAMES``), and a tokenizer
+    without a pad token (an imported one, e.g. Llama's) padding with its end-of-text token, as the
+    exported generation config does: without one, ``tokenizer(texts, padding=True)`` is an error."""
     files = dict(spec.hf_files)
     tok = json.loads(spec.json_text)
     post = _without_added_tokens(tok.get("post_processor"))

@@ -1105,8 +1105,9 @@ def prepare(args: argparse.Namespace, argv: list[str]) -> str:
 
 
 def _no_documents(corpus: Corpus) -> str:
-    held = ([f"{corpus.empty} empty document(s)"] if corpus.empty else []) + \
-           ([f"{len(corpus.skipped)} unreadable file(s), skipped (the warnings above say why)"] if corpus.skipped else [])
+    held = [f"{corpus.empty} empty document(s)"] if corpus.empty else []
+    if corpus.skipped:
+        held.append(f"{len(corpus.skipped)} unreadable file(s), skipped (the warnings above say why)")
     return f"no documents: the inputs hold {' and '.join(held) or 'no records'}"
 
 

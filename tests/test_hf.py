@@ -215,7 +215,8 @@ def test_nash_mhc_exports_with_remote_code(tmp_path, stdlib_data, arch, request)
     tok = AutoTokenizer.from_pretrained(out)
     assert tok.padding_side == "left" and tok.model_max_length == 64
     # named in the file: transformers 4.x's default also returns token_type_ids, which generate refuses
-    assert json.loads((out / "tokenizer_config.json").read_text())["model_input_names"] == ["input_ids", "attention_mask"]
+    named = json.loads((out / "tokenizer_config.json").read_text())["model_input_names"]
+    assert named == ["input_ids", "attention_mask"]
     texts = ["import os\nimport sys\n", "def main():\n    return"]
     batch = tok(texts, return_tensors="pt", padding=True)
     assert (batch["attention_mask"] == 0).any()

@@ -709,7 +709,7 @@ def test_the_installed_gpus_plan_counts_its_own_peak(monkeypatch, name, peak):
     from training.monitor import peak_flops_for
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: name)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i=0: types.SimpleNamespace(total_memory=80 * 10 ** 9))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i=0: types.SimpleNamespace(total_memory=8e10))
     assert P.device_for("h100", "torch").peak_flops() == peak_flops_for(name) == peak
 
 

@@ -386,8 +386,8 @@ def test_string_keys_take_an_override_as_written(tmp_path):
     assert load_config(p, ["logging={wandb: {run_name: 0x10}}"]).logging.wandb.run_name == "0x10"
     for override, message in (("training={max_steps: 0100}", "training.max_steps: 0100 is the octal number 64"),
                               ("training={max_steps: 1:30}", "training.max_steps: 1:30 is the base-60 number 90"),
-                              ("training={max_steps: 5, max_steps: 6}",
-                               r"override 'training=\{max_steps: 5, max_steps: 6\}': duplicate key 'max_steps' in the mapping$")):
+                              ("training={max_steps: 5, max_steps: 6}", r"override 'training=\{max_steps: 5, "
+                               r"max_steps: 6\}': duplicate key 'max_steps' in the mapping$")):
         with pytest.raises(ConfigError, match=message):
             load_config(p, [override])
 
