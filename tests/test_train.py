@@ -639,17 +639,14 @@ def test_nonfinite_steps_are_skipped_then_the_run_stops(tmp_path, stdlib_data, m
         assert torch.equal(v, ref["model"][k]), k
 
 
-def test_weights_an_update_made_nan_are_not_saved_at_the_non_finite_stop(tmp_path, stdlib_data, monkeypatch,
-                                                                          capsys):
-    """An update that made the weights Inf from finite gradients (an overflow): every later loss is
-    NaN and the run stops, as it should. Saved, those weights would have replaced (by rotation) a
-    checkpoint worth resuming from, under a line that said it held "the last good weights". Nothing
-    is saved, and the line says why and what to do."""
+def _train_overflowing_at_update_5(tmp_path, stdlib_data, monkeypatch, saves_every: int = 0, **over) -> int:
+    """``_train_poisoned`` whose 5th update makes a weight Inf from finite gradients (as if it had
+    overflowed): every later loss is NaN, and training.max_nonfinite_steps=2 stops the run at 7."""
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     updates = []
 
-    def overflow_at_5(optimizer, args, kwargs):   # step 5's update, as if it had overflowed
+    def overflow_at_5(optimizer, args, kwargs):
         updates.append(1)
         if len(updates) == 5:
             with torch.no_grad():
@@ -657,10 +654,19 @@ def test_weights_an_update_made_nan_are_not_saved_at_the_non_finite_stop(tmp_pat
 
     hook = register_optimizer_step_post_hook(overflow_at_5)
     try:
-        code = _train_poisoned(tmp_path, stdlib_data, monkeypatch, lambda model, out, n: out,
-                               **{"training.max_nonfinite_steps": 2})
+        return _train_poisoned(tmp_path, stdlib_data, monkeypatch, lambda model, out, n: out, saves_every,
+                               **{"training.max_nonfinite_steps": 2, **over})
     finally:
         hook.remove()
+
+
+def test_weights_an_update_made_nan_are_not_saved_at_the_non_finite_stop(tmp_path, stdlib_data, monkeypatch,
+                                                                          capsys):
+    """An update that made the weights Inf from finite gradients (an overflow): every later loss is
+    NaN and the run stops, as it should. Saved, those weights would have replaced (by rotation) a
+    checkpoint worth resuming from, under a line that said it held "the last good weights". Nothing
+    is saved, and the line says why and what to do."""
+    code = _train_overflowing_at_update_5(tmp_path, stdlib_data, monkeypatch)
     err = capsys.readouterr().err
     assert code == 3 and "the weights themselves are NaN/Inf" in err and "nothing was saved" in err, err[-3000:]
     assert [r["nonfinite_skipped"] for r in metrics(tmp_path / "run")] == [0, 0, 0, 0, 0, 1, 2]
@@ -675,7 +681,6 @@ def test_a_save_in_flight_is_finished_at_a_non_finite_stop_that_saves_nothing(tm
     the write is held until the trainer waits, so without that wait it never lands)."""
     import threading
 
-    from torch.optim.optimizer import register_optimizer_step_post_hook
     from training import checkpoint
 
     waited = threading.Event()
@@ -692,20 +697,8 @@ def test_a_save_in_flight_is_finished_at_a_non_finite_stop_that_saves_nothing(tm
 
     monkeypatch.setattr(checkpoint.Checkpointer, "wait", wait)
     monkeypatch.setattr(checkpoint, "atomic_torch_save", held_save)
-    updates = []
-
-    def overflow_at_5(optimizer, args, kwargs):
-        updates.append(1)
-        if len(updates) == 5:
-            with torch.no_grad():
-                optimizer.param_groups[0]["params"][0].fill_(float("inf"))
-
-    hook = register_optimizer_step_post_hook(overflow_at_5)
-    try:
-        code = _train_poisoned(tmp_path, stdlib_data, monkeypatch, lambda model, out, n: out, saves_every=4,
-                               **{"training.max_nonfinite_steps": 2, "checkpoint.async": True})
-    finally:
-        hook.remove()
+    code = _train_overflowing_at_update_5(tmp_path, stdlib_data, monkeypatch, saves_every=4,
+                                          **{"checkpoint.async": True})
     err = capsys.readouterr().err
     assert code == 3 and "nothing was saved" in err, err[-3000:]
     assert [p.name for p in (tmp_path / "run").glob("ckpt_*")] == ["ckpt_00000004.pt"]
